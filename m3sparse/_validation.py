@@ -1,0 +1,89 @@
+"""Argument checks shared by the public ops. Every failure names the argument and what was expected."""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+KV_CACHE_DTYPES = HALF_DTYPES + FP8_DTYPES
+INDEX_CACHE_DTYPES = HALF_DTYPES + (torch.float8_e4m3fn,)
+QUERY_DTYPES = HALF_DTYPES + (torch.float32,)
+
+
+def _names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(name: str, t: object, *, shape: Sequence[int | None] | None = None,
+                 dtypes: Sequence[torch.dtype] | None = None,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """Check type, rank/shape (None = any size), dtype and device of one tensor argument."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if shape is not None:
+        ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
+        if not ok:
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in ({_names(dtypes)}), got {str(t.dtype).replace('torch.', '')}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} like the other inputs, got {t.device}")
+    return t
+
+
+def check_int32(name: str, t: object, shape: Sequence[int | None], device: torch.device) -> torch.Tensor:
+    """Ids, lengths and tables are int32 on the inputs' device."""
+    return check_tensor(name, t, shape=shape, dtypes=(torch.int32,), device=device)
+
+
+def check_positive_int(name: str, value: object, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_block_size(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 16 or value > 128 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two in [16, 128] (128 for MiniMax-M3), got {value!r}")
+    return value
+
+
+def check_out(out: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+              name: str = "out") -> None:
+    if out is None:
+        return
+    check_tensor(name, out, shape=list(shape), dtypes=(dtype,), device=device)
+
+
+def values_on_host(*tensors: torch.Tensor) -> bool:
+    """Value checks (lengths, table sizes) run only where they cost no device->host sync.
+
+    On CUDA they would stall the stream and break graph capture; there the kernels mask every
+    out-of-range id, page and position instead.
+    """
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def check_scale(name: str, scale: object, num_kv_heads: int, num_slots: int,
+                device: torch.device) -> None:
+    """An fp8 scale: None (1.0), a number, a one-element fp32 tensor, or per-slot [Hkv, num_slots] fp32."""
+    if scale is None or (isinstance(scale, (int, float)) and not isinstance(scale, bool)):
+        if scale is not None and not scale > 0:
+            raise ValueError(f"{name} must be > 0, got {scale!r}")
+        return
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{name} must be None, a float or a float32 tensor, got {type(scale).__name__}")
+    check_tensor(name, scale, dtypes=(torch.float32,), device=device)
+    if scale.numel() != 1 and tuple(scale.shape) != (num_kv_heads, num_slots):
+        raise ValueError(
+            f"{name} must hold one element or have shape [num_kv_heads, num_blocks * block_size] = "
+            f"[{num_kv_heads}, {num_slots}], got {list(scale.shape)}")
+    if scale.numel() != 1 and scale.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension")
+
+
+def is_per_slot(scale: object) -> bool:
+    return isinstance(scale, torch.Tensor) and scale.numel() != 1

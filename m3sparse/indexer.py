@@ -1,0 +1,57 @@
+"""Index scoring + top-k block selection (validation + dispatch)."""
+from __future__ import annotations
+
+import torch
+
+from . import _dispatch
+from ._batch_checks import check_decode_batch, check_prefill_batch
+from ._validation import QUERY_DTYPES, check_out, check_tensor
+from .cache import check_index_cache
+from .config import INDEX_HEAD_SIZE, check_selection
+
+
+def _check_common(index_q, index_cache, topk, local_blocks, init_blocks, out):
+    check_index_cache(index_cache)
+    device = index_cache.device
+    check_tensor("index_q", index_q, shape=[None, None, INDEX_HEAD_SIZE], dtypes=QUERY_DTYPES, device=device)
+    check_selection(topk, local_blocks, init_blocks)
+    check_out(out, (index_q.shape[1], index_q.shape[0], topk), torch.int32, device)
+    return device
+
+
+def index_topk_prefill(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
+                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, context_lens: torch.Tensor,
+                       max_query_len: int, topk: int = 16, local_blocks: int = 1, init_blocks: int = 0,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """Select the KV blocks each prefill token attends to, per KV head.
+
+    index_q: [T, Hkv, 128] (bf16/fp16/fp32); index_cache: [nb, bs, 128]; block_table: int32 [B, W] (the
+    index cache's table); cu_seqlens_q: int32 [B+1] (rebased to 0); seq_lens, context_lens: int32 [B];
+    token i of request b sits at position context_lens[b] + i. Rows past cu_seqlens_q[-1] are padding.
+    Returns (or fills ``out``, any strided view) int32 [Hkv, T, topk]: for a query in block c, every block
+    0..c when c < topk, else the forced blocks (c-local_blocks+1..c, 0..init_blocks-1) plus the best-scoring
+    others (block score = max over its visible keys of index_q . index_k, fp32). Unused slots are -1; the
+    order of the valid ids carries no meaning.
+    """
+    device = _check_common(index_q, index_cache, topk, local_blocks, init_blocks, out)
+    check_prefill_batch(index_q.shape[0], block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
+                        index_cache.shape[1], index_cache.shape[0], device)
+    return _dispatch.impl(index_q).index_topk_prefill(
+        index_q, index_cache, block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
+        topk, local_blocks, init_blocks, out)
+
+
+def index_topk_decode(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
+                      seq_lens: torch.Tensor, decode_query_len: int, topk: int = 16, local_blocks: int = 1,
+                      init_blocks: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Select the KV blocks of decode rows (one or several speculative rows per request).
+
+    index_q: [B * decode_query_len, Hkv, 128]; seq_lens: int32 [B] (after this step; 0 = padding request);
+    row r of request b sits at position seq_lens[b] - decode_query_len + r (negative = padding row).
+    Returns int32 [Hkv, T, topk] as ``index_topk_prefill``. CUDA-graph safe: no host sync, fixed grid.
+    """
+    device = _check_common(index_q, index_cache, topk, local_blocks, init_blocks, out)
+    check_decode_batch(index_q.shape[0], block_table, seq_lens, decode_query_len, index_cache.shape[1],
+                       index_cache.shape[0], device)
+    return _dispatch.impl(index_q).index_topk_decode(
+        index_q, index_cache, block_table, seq_lens, decode_query_len, topk, local_blocks, init_blocks, out)

@@ -1,0 +1,129 @@
+"""Every public op rejects bad input with an error that names the argument."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import m3sparse
+from batches import make_batch
+
+I32 = torch.int32
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return make_batch([(20, 5), (0, 3)], heads=4, kv_heads=2, block_size=16)
+
+
+def prefill_args(b, **over):
+    args = dict(index_q=b.index_q, index_cache=b.index_cache, block_table=b.index_block_table, **b.prefill_meta())
+    args.update(over)
+    return args
+
+
+def attn_args(b, ids, **over):
+    args = dict(q=b.q, kv_cache=b.kv_cache, topk_ids=ids, block_table=b.block_table, **b.prefill_meta())
+    args.update(over)
+    return args
+
+
+def ids_for(b, k=3):
+    return torch.full((b.kv_heads, b.q.shape[0], k), -1, dtype=I32)
+
+
+@pytest.mark.parametrize("over, exc, word", [
+    (dict(index_q=[1, 2]), TypeError, "index_q"),
+    (dict(index_q=torch.randn(8, 2, 64)), ValueError, "index_q"),
+    (dict(index_q=torch.randn(8, 2, 128).double()), ValueError, "index_q"),
+    (dict(index_q=torch.randn(8, 2, 128, device="meta")), ValueError, "index_q"),
+    (dict(cu_seqlens_q=torch.tensor([0, 5, 8])), ValueError, "cu_seqlens_q"),
+    (dict(cu_seqlens_q=torch.tensor([0, 5], dtype=I32)), ValueError, "cu_seqlens_q"),
+    (dict(cu_seqlens_q=torch.tensor([0, 6, 5], dtype=I32)), ValueError, "cu_seqlens_q"),
+    (dict(cu_seqlens_q=torch.tensor([1, 5, 8], dtype=I32)), ValueError, "cu_seqlens_q"),
+    (dict(cu_seqlens_q=torch.tensor([0, 5, 9], dtype=I32)), ValueError, "cu_seqlens_q"),
+    (dict(max_query_len=4), ValueError, "max_query_len"),
+    (dict(max_query_len=-1), ValueError, "max_query_len"),
+    (dict(context_lens=torch.tensor([-1, 0], dtype=I32)), ValueError, "context_lens"),
+    (dict(seq_lens=torch.tensor([24, 3], dtype=I32)), ValueError, "seq_lens"),
+    (dict(seq_lens=torch.tensor([25, 3], dtype=torch.int64)), ValueError, "seq_lens"),
+    (dict(block_table=torch.zeros(2, 1, dtype=I32)), ValueError, "block_table"),
+    (dict(block_table=torch.full((2, 2), 99, dtype=I32)), ValueError, "block_table"),
+    (dict(block_table=torch.zeros(3, 2, dtype=I32)), ValueError, "block_table"),
+    (dict(index_cache=torch.zeros(4, 16, 128, dtype=torch.float8_e5m2)), ValueError, "index_cache"),
+    (dict(index_cache=torch.zeros(4, 24, 128)), ValueError, "index_cache"),
+    (dict(topk=0), ValueError, "topk"),
+    (dict(topk=1, init_blocks=1), ValueError, "topk"),
+    (dict(out=torch.empty(2, 8, 4, dtype=I32)), ValueError, "out"),
+    (dict(out=torch.empty(2, 8, 3, dtype=torch.int64)), ValueError, "out"),
+])
+def test_index_topk_prefill_rejects(batch, over, exc, word):
+    over.setdefault("topk", 3)
+    with pytest.raises(exc, match=word):
+        m3sparse.index_topk_prefill(**prefill_args(batch, **over))
+
+
+def test_index_topk_decode_rejects():
+    b = make_batch([(20, 2), (5, 2)], block_size=16, decode_query_len=2)
+    base = dict(index_q=b.index_q, index_cache=b.index_cache, block_table=b.index_block_table, **b.decode_meta())
+    cases = [
+        (dict(decode_query_len=3), "query tokens"),
+        (dict(decode_query_len=0), "decode_query_len"),
+        (dict(seq_lens=torch.tensor([22, -1], dtype=I32)), "seq_lens"),
+        (dict(seq_lens=torch.tensor([80, 7], dtype=I32)), "block_table"),
+        (dict(block_table=b.index_block_table.long()), "block_table"),
+    ]
+    for over, word in cases:
+        with pytest.raises(ValueError, match=word):
+            m3sparse.index_topk_decode(**{**base, **over}, topk=2)
+
+
+@pytest.mark.parametrize("over, exc, word", [
+    (dict(q=torch.randn(8, 3, 128)), ValueError, "q has 3 heads"),
+    (dict(q=torch.randn(8, 4, 128).to(torch.float8_e4m3fn)), ValueError, "q"),
+    (dict(kv_cache=torch.zeros(4, 2, 16, 128)), ValueError, "kv_cache"),
+    (dict(kv_cache=torch.zeros(4, 2, 16, 256, dtype=torch.int8)), ValueError, "kv_cache"),
+    (dict(kv_cache=torch.zeros(4, 2, 256, 16).transpose(2, 3)), ValueError, "kv_cache"),
+    (dict(topk_ids=torch.zeros(2, 7, 3, dtype=I32)), ValueError, "topk_ids"),
+    (dict(topk_ids=torch.zeros(2, 8, 3)), ValueError, "topk_ids"),
+    (dict(topk_ids=torch.zeros(2, 8, 0, dtype=I32)), ValueError, "topk_ids"),
+    (dict(scale=0.0), ValueError, "scale"),
+    (dict(out=torch.empty(8, 4, 128, dtype=torch.float16)), ValueError, "out"),
+    (dict(k_scale=torch.ones(3)), ValueError, "k_scale"),
+    (dict(v_scale=torch.ones(1, dtype=torch.float64)), ValueError, "v_scale"),
+    (dict(k_scale="1"), TypeError, "k_scale"),
+    (dict(v_scale=-2.0), ValueError, "v_scale"),
+    (dict(seq_lens=torch.tensor([20, 3], dtype=I32)), ValueError, "seq_lens"),
+])
+def test_sparse_attn_prefill_rejects(batch, over, exc, word):
+    with pytest.raises(exc, match=word):
+        m3sparse.sparse_attn_prefill(**attn_args(batch, ids_for(batch), **over))
+
+
+def test_sparse_attn_decode_rejects():
+    b = make_batch([(20, 2), (5, 2)], block_size=16, decode_query_len=2)
+    base = dict(q=b.q, kv_cache=b.kv_cache, topk_ids=ids_for(b), block_table=b.block_table, **b.decode_meta())
+    with pytest.raises(ValueError, match="query tokens"):
+        m3sparse.sparse_attn_decode(**{**base, "decode_query_len": 1})
+    with pytest.raises(ValueError, match="block_table"):
+        m3sparse.sparse_attn_decode(**{**base, "block_table": b.block_table[:1]})
+
+
+def test_write_ops_reject():
+    kv = m3sparse.new_kv_cache(2, 2, torch.bfloat16, block_size=16)
+    k = torch.randn(3, 2, 128)
+    slots = torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="slot_mapping"):
+        m3sparse.write_kv(k, k, kv, slots.int())
+    with pytest.raises(ValueError, match="slot_mapping"):
+        m3sparse.write_kv(k, k, kv, torch.tensor([0, 1, 32]))
+    with pytest.raises(ValueError, match="value"):
+        m3sparse.write_kv(k, k[:2], kv, slots)
+    with pytest.raises(ValueError, match="key"):
+        m3sparse.write_kv(torch.randn(3, 1, 128), k, kv, slots)
+    with pytest.raises(ValueError, match="k_scale"):
+        m3sparse.write_kv(k, k, kv, slots, k_scale=torch.ones(2, 31))
+    cache = m3sparse.new_index_cache(1, torch.bfloat16, block_size=16)
+    with pytest.raises(ValueError, match="index_k"):
+        m3sparse.write_index_k(torch.randn(3, 2, 128), cache, slots)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        m3sparse.write_index_k(torch.randn(3, 128), cache, torch.tensor([0, 16, 1]))
