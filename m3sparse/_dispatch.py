@@ -1,11 +1,22 @@
 """Which implementation runs an op: the Triton kernels or the plain-PyTorch reference."""
 from __future__ import annotations
 
+import os
+from types import ModuleType
+
 import torch
 
 from . import reference
 
 
-def impl(t: torch.Tensor):
-    """The reference module, whatever the device (kernels come with their own issue)."""
+def kernels_active(t: torch.Tensor) -> bool:
+    """CUDA tensors run the kernels; CPU tensors run them only under Triton's interpreter (TRITON_INTERPRET=1)."""
+    return t.device.type == "cuda" or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+def impl(t: torch.Tensor) -> ModuleType:
+    """The module (``m3sparse.kernels`` or ``m3sparse.reference``) whose functions run ops on t's device."""
+    if kernels_active(t):
+        from . import kernels  # triton is imported only when kernels run
+        return kernels
     return reference

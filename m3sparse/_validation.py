@@ -64,6 +64,8 @@ def values_on_host(*tensors: torch.Tensor) -> bool:
     On CUDA they would stall the stream and break graph capture; there the kernels mask every
     out-of-range id, page and position instead.
     """
+    if torch.compiler.is_compiling():  # reading values would break the traced graph
+        return False
     return all(t.device.type == "cpu" for t in tensors)
 
 

@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import torch
 
-from . import _dispatch
+from . import _ops
 from ._batch_checks import check_decode_batch, check_prefill_batch
 from ._validation import HALF_DTYPES, check_out, check_scale, check_tensor
 from .cache import check_kv_cache
 from .config import HEAD_SIZE
+
+
+def _softmax_scale(scale: float | None) -> float:
+    return float(scale) if scale is not None else HEAD_SIZE ** -0.5
 
 
 def _check_common(q, kv_cache, topk_ids, scale, out, k_scale, v_scale):
@@ -46,9 +50,10 @@ def sparse_attn_prefill(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torch
     device = _check_common(q, kv_cache, topk_ids, scale, out, k_scale, v_scale)
     check_prefill_batch(q.shape[0], block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
                         kv_cache.shape[2], kv_cache.shape[0], device)
-    return _dispatch.impl(q).sparse_attn_prefill(
-        q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
-        scale, out, k_scale, v_scale)
+    out = torch.empty_like(q) if out is None else out
+    _ops.sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
+                             _softmax_scale(scale), out, *_ops.split_scale(k_scale), *_ops.split_scale(v_scale))
+    return out
 
 
 def sparse_attn_decode(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torch.Tensor,
@@ -63,5 +68,7 @@ def sparse_attn_decode(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torch.
     device = _check_common(q, kv_cache, topk_ids, scale, out, k_scale, v_scale)
     check_decode_batch(q.shape[0], block_table, seq_lens, decode_query_len, kv_cache.shape[2],
                        kv_cache.shape[0], device)
-    return _dispatch.impl(q).sparse_attn_decode(
-        q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, scale, out, k_scale, v_scale)
+    out = torch.empty_like(q) if out is None else out
+    _ops.sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, _softmax_scale(scale),
+                            out, *_ops.split_scale(k_scale), *_ops.split_scale(v_scale))
+    return out

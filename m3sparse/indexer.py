@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import torch
 
-from . import _dispatch
+from . import _ops
 from ._batch_checks import check_decode_batch, check_prefill_batch
 from ._validation import QUERY_DTYPES, check_out, check_tensor
 from .cache import check_index_cache
 from .config import INDEX_HEAD_SIZE, check_selection
+
+
+def _new_out(index_q: torch.Tensor, topk: int) -> torch.Tensor:
+    return torch.empty((index_q.shape[1], index_q.shape[0], topk), dtype=torch.int32, device=index_q.device)
 
 
 def _check_common(index_q, index_cache, topk, local_blocks, init_blocks, out):
@@ -36,9 +40,10 @@ def index_topk_prefill(index_q: torch.Tensor, index_cache: torch.Tensor, block_t
     device = _check_common(index_q, index_cache, topk, local_blocks, init_blocks, out)
     check_prefill_batch(index_q.shape[0], block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
                         index_cache.shape[1], index_cache.shape[0], device)
-    return _dispatch.impl(index_q).index_topk_prefill(
-        index_q, index_cache, block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
-        topk, local_blocks, init_blocks, out)
+    out = _new_out(index_q, topk) if out is None else out
+    _ops.index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
+                            topk, local_blocks, init_blocks, out)
+    return out
 
 
 def index_topk_decode(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
@@ -53,5 +58,7 @@ def index_topk_decode(index_q: torch.Tensor, index_cache: torch.Tensor, block_ta
     device = _check_common(index_q, index_cache, topk, local_blocks, init_blocks, out)
     check_decode_batch(index_q.shape[0], block_table, seq_lens, decode_query_len, index_cache.shape[1],
                        index_cache.shape[0], device)
-    return _dispatch.impl(index_q).index_topk_decode(
-        index_q, index_cache, block_table, seq_lens, decode_query_len, topk, local_blocks, init_blocks, out)
+    out = _new_out(index_q, topk) if out is None else out
+    _ops.index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_len, topk, local_blocks,
+                           init_blocks, out)
+    return out

@@ -1,0 +1,7 @@
+"""Triton kernels, one family per file. Same signatures as ``m3sparse.reference``; no argument checking."""
+from .cache_write import write_index_k, write_kv
+from .index_topk import index_topk_decode, index_topk_prefill
+from .sparse_attn import sparse_attn_decode, sparse_attn_prefill
+
+__all__ = ["write_kv", "write_index_k", "index_topk_prefill", "index_topk_decode", "sparse_attn_prefill",
+           "sparse_attn_decode"]

@@ -1,0 +1,148 @@
+"""Index scoring (block maxima of index_q . index_k) and top-k block selection.
+
+Two launches: ``_block_scores_kernel`` tiles the rows of each request and walks its visible blocks (split
+across programs for long decode contexts), writing one fp32 score per (row, head, block); then
+``_select_topk_kernel`` picks each row's blocks with an exact radix-free bisection on order-preserving
+integer keys, so forced blocks, NaN and ties need no sort.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import dot_in_fp32, next_pow2
+from .rows import prefill_row_map, row_request_position
+
+# Order-preserving int64 keys: every fp32 score maps into [-2^31, 2^31); NaN ranks below all of them,
+# forced blocks above, blocks outside the row's view below everything.
+_NAN_KEY = -(2**31) - 1
+_FORCED_KEY = 2**31 + 1
+_INVALID_KEY = -(2**40)
+_BISECT_STEPS = 34  # ceil(log2(_FORCED_KEY - _NAN_KEY + 1)) + 1
+
+
+@triton.jit
+def _block_scores_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb, num_pages,
+                         sc_ptr, sc_sh, sc_st, cu_ptr, ctx_ptr, seq_ptr, DQL, SPLITS,
+                         IS_DECODE: tl.constexpr, BLOCK_M: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                         DOT_F32: tl.constexpr):
+    tile = tl.program_id(0)
+    b = tl.program_id(1)
+    g = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
+    if IS_DECODE:
+        row0 = b * DQL
+        nrows = DQL
+        first = tl.load(seq_ptr + b) - DQL
+    else:
+        row0 = tl.load(cu_ptr + b)
+        nrows = tl.load(cu_ptr + b + 1) - row0
+        first = tl.load(ctx_ptr + b)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pos = first + rows
+    live = (rows < nrows) & (pos >= 0)
+    own = tl.where(live, pos // BS, -1)
+    last_pos = first + tl.minimum(nrows, (tile + 1) * BLOCK_M) - 1
+    n_blocks = tl.where((last_pos >= 0) & (tile * BLOCK_M < nrows), last_pos // BS + 1, 0)
+    per_split = tl.cdiv(n_blocks, SPLITS)
+    lo = split * per_split
+    hi = tl.minimum(n_blocks, lo + per_split)
+
+    d = tl.arange(0, D)
+    j = tl.arange(0, BS)
+    q = tl.load(iq_ptr + (row0 + rows)[:, None] * iq_st + g * iq_sh + d[None, :], mask=live[:, None], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    out_rows = sc_ptr + g * sc_sh + (row0 + rows) * sc_st
+    for kb in range(lo, hi):
+        page = tl.load(bt_ptr + b * bt_sb + kb)
+        page = tl.where((page >= 0) & (page < num_pages), page, 0).to(tl.int64)
+        k = tl.load(ik_ptr + page * ik_sp + j[:, None] * ik_ss + d[None, :])
+        if DOT_F32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        s = tl.where((kb * BS + j)[None, :] <= pos[:, None], s, float("-inf"))
+        tl.store(out_rows + kb, tl.max(s, axis=1), mask=live & (kb <= own))
+
+
+@triton.jit
+def _select_topk_kernel(sc_ptr, sc_sh, sc_st, out_ptr, o_sh, o_st, o_sk, seq_ptr, row_req_ptr, row_pos_ptr,
+                        DQL, LOCAL, INIT, IS_DECODE: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr,
+                        TOPK_PAD: tl.constexpr, NB_PAD: tl.constexpr, NAN_KEY: tl.constexpr,
+                        FORCED_KEY: tl.constexpr, INVALID_KEY: tl.constexpr, STEPS: tl.constexpr):
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    _, p = row_request_position(t, seq_ptr, row_req_ptr, row_pos_ptr, DQL, IS_DECODE)
+    c = tl.where(p >= 0, p // BS, -1)
+    k = tl.minimum(c + 1, TOPK)
+    blk = tl.arange(0, NB_PAD)
+    valid = blk <= c
+    s = tl.load(sc_ptr + g * sc_sh + t * sc_st + blk, mask=valid, other=0.0)
+    bits = s.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    key = tl.where(s != s, NAN_KEY, key)
+    key = tl.where(valid & ((blk > c - LOCAL) | (blk < INIT)), FORCED_KEY, key)
+    key = tl.where(valid, key, INVALID_KEY)
+    # Largest threshold with at least k keys at or above it: the k-th largest key.
+    lo = tl.full([], NAN_KEY, tl.int64)
+    hi = tl.full([], FORCED_KEY, tl.int64)
+    for _ in range(STEPS):
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    above = key > lo
+    tied = key == lo
+    need = k - tl.sum(above.to(tl.int32), axis=0)
+    take = valid & (above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need)))
+    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    row = out_ptr + g * o_sh + t * o_st
+    tl.store(row + slot * o_sk, blk, mask=take)
+    kk = tl.arange(0, TOPK_PAD)
+    tl.store(row + kk * o_sk, tl.full([TOPK_PAD], -1, tl.int32), mask=(kk >= k) & (kk < TOPK))
+
+
+def _index_topk(index_q, index_cache, block_table, seq_lens, cu_seqlens_q, context_lens, row_req, row_pos,
+                decode_query_len, max_rows, topk, local_blocks, init_blocks, out):
+    num_tokens, kv_heads, dim = index_q.shape
+    num_pages, bs, _ = index_cache.shape
+    batch, width = block_table.shape
+    is_decode = decode_query_len > 0
+    if out is None:
+        out = torch.empty((kv_heads, num_tokens, topk), dtype=torch.int32, device=index_q.device)
+    if num_tokens == 0:
+        return out
+    scores = torch.empty((kv_heads, num_tokens, max(width, 1)), dtype=torch.float32, device=index_q.device)
+    if batch and width and max_rows:
+        block_m = max(16, next_pow2(max_rows)) if is_decode and max_rows <= 64 else 64
+        # Long decode contexts: split each request's blocks so that the grid fills the GPU.
+        splits = max(1, min(triton.cdiv(width, 4), triton.cdiv(512, batch * kv_heads))) if is_decode else 1
+        grid = (triton.cdiv(max_rows, block_m), batch, kv_heads * splits)
+        _block_scores_kernel[grid](
+            index_q, index_q.stride(0), index_q.stride(1), index_cache, index_cache.stride(0),
+            index_cache.stride(1), block_table, block_table.stride(0), num_pages,
+            scores, scores.stride(0), scores.stride(1), cu_seqlens_q, context_lens, seq_lens,
+            decode_query_len, splits, IS_DECODE=is_decode, BLOCK_M=block_m, BS=bs, D=dim,
+            DOT_F32=dot_in_fp32(index_q.dtype), num_warps=4)
+    _select_topk_kernel[(num_tokens, kv_heads)](
+        scores, scores.stride(0), scores.stride(1), out, out.stride(0), out.stride(1), out.stride(2),
+        seq_lens, row_req, row_pos, decode_query_len, local_blocks, init_blocks, IS_DECODE=is_decode, BS=bs,
+        TOPK=topk, TOPK_PAD=next_pow2(topk), NB_PAD=max(16, next_pow2(width)), NAN_KEY=_NAN_KEY,
+        FORCED_KEY=_FORCED_KEY, INVALID_KEY=_INVALID_KEY, STEPS=_BISECT_STEPS, num_warps=8)
+    return out
+
+
+def index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
+                       topk=16, local_blocks=1, init_blocks=0, out=None):
+    row_req, row_pos = prefill_row_map(cu_seqlens_q, context_lens, index_q.shape[0])
+    return _index_topk(index_q, index_cache, block_table, seq_lens, cu_seqlens_q, context_lens, row_req, row_pos,
+                       0, max_query_len, topk, local_blocks, init_blocks, out)
+
+
+def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_len,
+                      topk=16, local_blocks=1, init_blocks=0, out=None):
+    # cu_seqlens_q / context_lens / row maps are unused by decode rows: pass seq_lens as a typed placeholder.
+    return _index_topk(index_q, index_cache, block_table, seq_lens, seq_lens, seq_lens, seq_lens, seq_lens,
+                       decode_query_len, decode_query_len, topk, local_blocks, init_blocks, out)

@@ -1,0 +1,184 @@
+"""Sparse attention over the selected blocks of a paged KV cache.
+
+One program per (row, KV head, split): the GQA group's query heads form the M dimension of the dots, the
+split's share of the row's selected blocks is walked with an online softmax in fp32. With more than one
+split, ``_merge_splits_kernel`` combines the partial (max, sum, accumulator) triples exactly.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import dot_in_fp32, next_pow2
+from .rows import prefill_row_map, row_request_position
+
+# Scale modes: 0 = a host float folded into the launch arguments (or no fp8 at all), 1 = a one-element
+# device tensor read by the kernel (graph-safe: replays see new values), 2 = per (kv head, slot) tensor.
+_FOLDED_SCALE, _TENSOR_SCALE, _SLOT_SCALE = 0, 1, 2
+
+
+@triton.jit
+def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr, id_sh, id_st, id_sk,
+                        bt_ptr, bt_sb, width, num_pages, seq_ptr, row_req_ptr, row_pos_ptr, DQL,
+                        ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor,
+                        o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, SPLITS,
+                        IS_DECODE: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BS: tl.constexpr,
+                        D: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+                        K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
+                        WRITE_OUT: tl.constexpr):
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+    b, p = row_request_position(t, seq_ptr, row_req_ptr, row_pos_ptr, DQL, IS_DECODE)
+    c = tl.where(p >= 0, p // BS, -1)
+
+    # The row's ids: keep each in-range id once (the first occurrence); never dereference the rest.
+    kk = tl.arange(0, TOPK_PAD)
+    ids = tl.load(ids_ptr + g * id_sh + t * id_st + kk * id_sk, mask=kk < TOPK, other=-1)
+    earlier = kk[None, :] < kk[:, None]
+    dup = tl.max((earlier & (ids[None, :] == ids[:, None])).to(tl.int32), axis=1) > 0
+    valid = (ids >= 0) & (ids <= c) & (ids < width) & ~dup
+
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    j = tl.arange(0, BS)
+    q = tl.load(q_ptr + t * q_st + (g * G + h)[:, None] * q_sh + d[None, :], mask=(h < G)[:, None], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    k_mult = scale
+    v_mult = v_factor
+    if K_SCALE == 1:
+        k_mult = k_mult * tl.load(ks_ptr)
+    if V_SCALE == 1:
+        v_mult = v_mult * tl.load(vs_ptr)
+    per_split = tl.cdiv(TOPK, SPLITS)
+    for i in range(split * per_split, tl.minimum(TOPK, (split + 1) * per_split)):
+        pick = kk == i
+        blk = tl.sum(tl.where(pick, ids, 0), axis=0)
+        kept = tl.sum((pick & valid).to(tl.int32), axis=0) > 0
+        page = tl.load(bt_ptr + b * bt_sb + blk, mask=kept, other=-1)
+        if (page >= 0) & (page < num_pages):
+            key_pos = blk * BS + j
+            seen = key_pos <= p
+            base = kv_ptr + page.to(tl.int64) * kv_sp + g * kv_sh + j[:, None] * kv_ss + d[None, :]
+            k = tl.load(base, mask=seen[:, None], other=0.0)
+            v = tl.load(base + D, mask=seen[:, None], other=0.0)
+            if DOT_F32:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            s = s * k_mult
+            slot = page * BS + j
+            if K_SCALE == 2:
+                s = s * tl.load(ks_ptr + g * ks_sh + slot)[None, :]
+            s = tl.where(seen[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            w = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(w, axis=1)
+            if V_SCALE == 2:
+                w = w * tl.load(vs_ptr + g * vs_sh + slot, mask=seen, other=0.0)[None, :]
+            if DOT_F32:
+                pv = tl.dot(w, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(w.to(q.dtype), v.to(q.dtype))
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+    acc = acc * v_mult
+    heads = g * G + h
+    if WRITE_OUT:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + t * o_st + heads[:, None] * o_sh + d[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=(h < G)[:, None])
+    else:
+        part = (t * SPLITS + split) * (G * tl.num_programs(1)) + heads  # partials [T, SPLITS, H]
+        tl.store(m_ptr + part, m_i, mask=h < G)
+        tl.store(l_ptr + part, l_i, mask=h < G)
+        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=(h < G)[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, H, SPLITS: tl.constexpr,
+                         SPLITS_PAD: tl.constexpr, D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D)
+    part = (t * SPLITS + s) * H + h
+    m = tl.load(m_ptr + part, mask=s < SPLITS, other=float("-inf"))
+    l = tl.load(l_ptr + part, mask=s < SPLITS, other=0.0)
+    acc = tl.load(acc_ptr + part[:, None] * D + d[None, :], mask=(s < SPLITS)[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # all splits empty: avoid -inf - -inf
+    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
+    total = tl.sum(w * l, axis=0)
+    o = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(o_ptr + t * o_st + h * o_sh + d, o.to(o_ptr.dtype.element_ty))
+
+
+def _scale_args(scale):
+    """(mode, pointer tensor, head stride, folded float) for one fp8 scale argument."""
+    if isinstance(scale, torch.Tensor) and scale.numel() != 1:
+        return _SLOT_SCALE, scale, scale.stride(0), 1.0
+    if isinstance(scale, torch.Tensor):
+        return _TENSOR_SCALE, scale, 0, 1.0
+    return _FOLDED_SCALE, None, 0, 1.0 if scale is None else float(scale)
+
+
+def _sparse_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, decode_query_len, scale,
+                 out, k_scale, v_scale, splits):
+    num_tokens, num_heads, dim = q.shape
+    num_pages, kv_heads, bs, _ = kv_cache.shape
+    group = num_heads // kv_heads
+    topk = topk_ids.shape[2]
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    if scale is None:
+        scale = dim ** -0.5
+    fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    k_mode, ks, ks_h, k_val = _scale_args(k_scale) if fp8 else (_FOLDED_SCALE, q, 0, 1.0)
+    v_mode, vs, vs_h, v_val = _scale_args(v_scale) if fp8 else (_FOLDED_SCALE, q, 0, 1.0)
+    ks = q if ks is None else ks  # an unread placeholder pointer for folded scales
+    vs = q if vs is None else vs
+    splits = max(1, min(splits, topk))
+    if splits > 1:
+        m = torch.empty((num_tokens, splits, num_heads), dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
+        acc = torch.empty((num_tokens, splits, num_heads, dim), dtype=torch.float32, device=q.device)
+    else:
+        m = l = acc = out
+    _sparse_attn_kernel[(num_tokens, kv_heads, splits)](
+        q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_ids.stride(2),
+        block_table, block_table.stride(0), block_table.shape[1], num_pages, seq_lens, row_req, row_pos,
+        decode_query_len, ks, ks_h, vs, vs_h, float(scale) * k_val, v_val,
+        out, out.stride(0), out.stride(1), m, l, acc, splits,
+        IS_DECODE=decode_query_len > 0, G=group, BLOCK_H=max(16, next_pow2(group)), BS=bs, D=dim, TOPK=topk,
+        TOPK_PAD=max(2, next_pow2(topk)), K_SCALE=k_mode, V_SCALE=v_mode, DOT_F32=dot_in_fp32(q.dtype),
+        WRITE_OUT=splits == 1, num_warps=4)
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_heads,
+                                                      SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim)
+    return out
+
+
+def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
+                        scale=None, out=None, k_scale=None, v_scale=None):
+    row_req, row_pos = prefill_row_map(cu_seqlens_q, context_lens, q.shape[0])
+    return _sparse_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, 0, scale, out,
+                        k_scale, v_scale, splits=1)
+
+
+def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, scale=None, out=None,
+                       k_scale=None, v_scale=None):
+    # Few rows cannot fill the GPU: split each row's blocks across programs and merge exactly.
+    num_programs = q.shape[0] * kv_cache.shape[1]
+    splits = 1 if num_programs >= 264 else triton.cdiv(264, num_programs)
+    return _sparse_attn(q, kv_cache, topk_ids, block_table, seq_lens, seq_lens, seq_lens, decode_query_len,
+                        scale, out, k_scale, v_scale, splits=splits)
