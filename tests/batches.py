@@ -40,41 +40,55 @@ class Batch:
     v_scale: object = None
     rows: list[tuple[int, int]] = field(default_factory=list)  # per token: (request, position)
 
+    def to(self, device) -> "Batch":
+        """The same batch with every input of the ops on ``device`` (the oracle's history stays on the CPU)."""
+        def move(x):
+            return x.to(device) if isinstance(x, torch.Tensor) else x
+        nhd = self.kv_cache.stride(1) < self.kv_cache.stride(2)
+        kv = self.kv_cache.permute(0, 2, 1, 3).contiguous().to(device).permute(0, 2, 1, 3) if nhd \
+            else self.kv_cache.to(device)
+        return Batch(self.requests, self.block_size, self.heads, self.kv_heads, self.keys, self.values,
+                     self.index_keys, move(self.q), move(self.index_q), kv, move(self.index_cache),
+                     move(self.block_table), move(self.index_block_table), move(self.k_scale), move(self.v_scale),
+                     self.rows)
+
     # --- metadata in the two forms of the API
     def prefill_meta(self) -> dict:
         qlens = [r.query_len for r in self.requests]
         cu = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
-        return dict(cu_seqlens_q=cu, seq_lens=torch.tensor([r.seq_len for r in self.requests], dtype=torch.int32),
-                    context_lens=torch.tensor([r.context_len for r in self.requests], dtype=torch.int32),
+        dev = self.q.device
+        return dict(cu_seqlens_q=cu.to(dev),
+                    seq_lens=torch.tensor([r.seq_len for r in self.requests], dtype=torch.int32, device=dev),
+                    context_lens=torch.tensor([r.context_len for r in self.requests], dtype=torch.int32, device=dev),
                     max_query_len=max(qlens, default=0))
 
     def decode_meta(self) -> dict:
         dql = self.requests[0].query_len
         assert all(r.query_len == dql for r in self.requests)
-        return dict(seq_lens=torch.tensor([r.seq_len for r in self.requests], dtype=torch.int32),
-                    decode_query_len=dql)
+        return dict(seq_lens=torch.tensor([max(r.seq_len, 0) for r in self.requests], dtype=torch.int32,
+                                          device=self.q.device), decode_query_len=dql)
 
     # --- the public ops on this batch
-    def index_prefill(self, **kw) -> torch.Tensor:
-        return m3sparse.index_topk_prefill(self.index_q, self.index_cache, self.index_block_table,
+    def index_prefill(self, impl=m3sparse, **kw) -> torch.Tensor:
+        return impl.index_topk_prefill(self.index_q, self.index_cache, self.index_block_table,
                                            **self.prefill_meta(), **kw)
 
-    def index_decode(self, **kw) -> torch.Tensor:
-        return m3sparse.index_topk_decode(self.index_q, self.index_cache, self.index_block_table,
+    def index_decode(self, impl=m3sparse, **kw) -> torch.Tensor:
+        return impl.index_topk_decode(self.index_q, self.index_cache, self.index_block_table,
                                           **self.decode_meta(), **kw)
 
-    def attn_prefill(self, ids: torch.Tensor, **kw) -> torch.Tensor:
-        return m3sparse.sparse_attn_prefill(self.q, self.kv_cache, ids, self.block_table, **self.prefill_meta(),
+    def attn_prefill(self, ids: torch.Tensor, impl=m3sparse, **kw) -> torch.Tensor:
+        return impl.sparse_attn_prefill(self.q, self.kv_cache, ids, self.block_table, **self.prefill_meta(),
                                             k_scale=self.k_scale, v_scale=self.v_scale, **kw)
 
-    def attn_decode(self, ids: torch.Tensor, **kw) -> torch.Tensor:
-        return m3sparse.sparse_attn_decode(self.q, self.kv_cache, ids, self.block_table, **self.decode_meta(),
+    def attn_decode(self, ids: torch.Tensor, impl=m3sparse, **kw) -> torch.Tensor:
+        return impl.sparse_attn_decode(self.q, self.kv_cache, ids, self.block_table, **self.decode_meta(),
                                            k_scale=self.k_scale, v_scale=self.v_scale, **kw)
 
     # --- the naive oracle on this batch
     def scores(self, t: int, g: int) -> list[float]:
         b, p = self.rows[t]
-        return block_scores(self.index_q[t, g], self.index_keys[b], p, self.block_size)
+        return block_scores(self.index_q[t, g].cpu(), self.index_keys[b], p, self.block_size)
 
     def expected_attention(self, ids: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """Oracle output for the given id rows [Hkv, T, k], keeping only ids in [0, own block] once."""
@@ -84,7 +98,7 @@ class Batch:
                 continue
             c = p // self.block_size
             sel = [{i for i in ids[g, t].tolist() if 0 <= i <= c} for g in range(self.kv_heads)]
-            out[t] = attention_row(self.q[t], self.keys[b], self.values[b], sel, p, self.block_size,
+            out[t] = attention_row(self.q[t].cpu(), self.keys[b], self.values[b], sel, p, self.block_size,
                                    scale or default_scale(self.q.shape[-1]))
         return out
 
@@ -102,9 +116,12 @@ def make_batch(requests: list[tuple[int, int]], *, heads: int = 4, kv_heads: int
                q_dtype: torch.dtype = torch.float32, layout: str = "HND", scale_kind: str = "scalar",
                decode_query_len: int | None = None, spare_pages: int = 3, seed: int = 0,
                device: str = "cpu") -> Batch:
-    """Build a batch; ``requests`` are (context_len, query_len). With ``decode_query_len`` the rows are decode
-    rows (query_len must equal it, or the request is a padding request with seq_len 0: pass (0, dql) ...
-    a request (-dql, dql) gives seq_len 0)."""
+    """Build a batch; ``requests`` are (context_len, query_len), caches written through the public ops.
+
+    With ``decode_query_len`` every query_len equals it; a request (-dql, dql) is a padding request
+    (seq_len 0) and (-2, dql) one whose first two rows sit at negative positions. Every cache slot holds NaN
+    before the writes, so unwritten slots are poison.
+    """
     gen = torch.Generator().manual_seed(seed)
     reqs = [Request(c, q) for c, q in requests]
     dim = 128
@@ -161,5 +178,6 @@ def make_batch(requests: list[tuple[int, int]], *, heads: int = 4, kv_heads: int
     num_tokens = sum(r.query_len for r in reqs)
     q = (torch.randn(num_tokens, heads, dim, generator=gen)).to(q_dtype)
     index_q = (torch.randn(num_tokens, kv_heads, dim, generator=gen)).to(q_dtype)
-    return Batch(reqs, block_size, heads, kv_heads, keys, values, index_keys, q, index_q,
-                 kv_cache.to(device), index_cache.to(device), block_table, index_block_table, k_scale, v_scale, rows)
+    batch = Batch(reqs, block_size, heads, kv_heads, keys, values, index_keys, q, index_q, kv_cache, index_cache,
+                  block_table, index_block_table, k_scale, v_scale, rows)
+    return batch.to(device) if device != "cpu" else batch
