@@ -1,4 +1,4 @@
-"""python -m m3sparse {demo, check}."""
+"""python -m m3sparse {demo, bench, check}."""
 from __future__ import annotations
 
 import argparse
@@ -42,9 +42,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--num-kv-heads", type=int, default=1)
     demo.add_argument("--seed", type=int, default=0)
     sub.add_parser("check", help="print the environment")
-    args = parser.parse_args(argv)
+    sub.add_parser("bench", help="GPU kernel timings at the anchor shapes (options: python -m m3sparse bench -h)",
+                   add_help=False)
+    args, rest = parser.parse_known_args(argv)
     if args.command == "check":
         return _check()
+    if args.command == "bench":
+        from .bench import main as bench_main
+        bench_main(rest)
+        return 0
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU; none is visible")
     from .demo import run_demo

@@ -1,0 +1,221 @@
+"""Kernel timings on a GPU at the shapes of the anchor table (H200, TP4: 16 query heads, 1 KV head).
+
+Decode: each op captured in CUDA graphs over several input sets (rotated so the working set exceeds L2),
+median of per-replay event timings. Prefill: eager launches, median of event timings. Prints markdown tables.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+
+import torch
+
+import m3sparse
+
+BS, D, TOPK = 128, 128, 16
+HBM_BYTES_PER_S = 4.25e12  # measured device copy on the H200 (anchors.md)
+PEAK_FLOPS = 790e12
+
+DECODE_ANCHORS = {  # (requests, context, query tokens, heads, kv heads): (index us, attend us)
+    (1, 32768, 1, 16, 1): (8.6, 5.1), (1, 131072, 1, 16, 1): (13.0, 5.1),
+    (8, 32768, 1, 16, 1): (20.4, 6.9), (8, 131072, 1, 16, 1): (65.2, 6.9),
+    (32, 32768, 1, 16, 1): (64.5, 12.9), (32, 131072, 1, 16, 1): (259.6, 12.9),
+    (128, 32768, 1, 16, 1): (266.5, 38.7), (128, 131072, 1, 16, 1): (1187.6, 38.1),
+    (32, 131072, 4, 16, 1): (309.7, 36.5),
+    (1, 32768, 1, 64, 4): (9.7, 5.4), (32, 131072, 1, 64, 4): (290.5, 38.8), (128, 32768, 1, 64, 4): (290.9, 135.5),
+}
+PREFILL_ANCHORS = {  # (tokens, prefix, heads, kv heads): (index ms, attend ms, dense ms)
+    (8192, 0, 16, 1): (0.124, 0.985, 0.968), (32768, 0, 16, 1): (0.569, 4.294, 12.89),
+    (131072, 0, 16, 1): (7.442, 18.08, 215.2), (8192, 122880, 16, 1): (1.691, 1.262, None),
+    (32768, 0, 64, 4): (1.755, 16.92, 50.19),
+}
+
+
+def _events_median(fn, reps: int) -> float:
+    """Median of per-call times in microseconds, each call bracketed by CUDA events."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def _realistic_ids(seq_lens: torch.Tensor, dql: int, kv_heads: int, gen) -> torch.Tensor:
+    """[Hkv, T, 16]: each row's own block plus 15 distinct random older blocks."""
+    pos = (seq_lens.repeat_interleave(dql) - dql + torch.arange(seq_lens.numel() * dql, device="cuda") % dql)
+    own = pos // BS
+    nb = int(own.max()) + 1
+    r = torch.rand(kv_heads, pos.numel(), nb, device="cuda", generator=gen)
+    r = r.masked_fill(torch.arange(nb, device="cuda") >= own[None, :, None], -1.0)
+    older = r.topk(TOPK - 1, dim=-1).indices.int()
+    return torch.cat([own.int()[None, :, None].expand(kv_heads, -1, 1), older], dim=-1).contiguous()
+
+
+def bench_decode(requests, context, dql, heads, kv_heads, reps=100):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pages_per = context // BS
+    set_bytes = requests * pages_per * BS * (2 * D * kv_heads + D) * 2
+    num_sets = max(1, min(8, math.ceil(200e6 / set_bytes)))
+    sets = []
+    for _ in range(num_sets):
+        num_pages = requests * pages_per
+        kv = m3sparse.new_kv_cache(num_pages, kv_heads, torch.bfloat16, device="cuda")
+        kv.normal_(generator=gen)
+        ic = m3sparse.new_index_cache(num_pages, torch.bfloat16, device="cuda")
+        ic.normal_(generator=gen)
+        table = torch.randperm(num_pages, device="cuda", generator=gen).int().view(requests, pages_per)
+        seq_lens = torch.full((requests,), context, dtype=torch.int32, device="cuda")
+        q = torch.randn(requests * dql, heads, D, device="cuda", generator=gen).bfloat16()
+        iq = torch.randn(requests * dql, kv_heads, D, device="cuda", generator=gen).bfloat16()
+        ids = _realistic_ids(seq_lens, dql, kv_heads, gen)
+        sets.append(dict(kv=kv, ic=ic, table=table, seq_lens=seq_lens, q=q, iq=iq, ids=ids,
+                         ids_out=torch.empty_like(ids), out=torch.empty_like(q)))
+
+    def index(s):
+        m3sparse.index_topk_decode(s["iq"], s["ic"], s["table"], s["seq_lens"], dql, out=s["ids_out"])
+
+    def attend(s):
+        m3sparse.sparse_attn_decode(s["q"], s["kv"], s["ids"], s["table"], s["seq_lens"], dql, out=s["out"])
+
+    def both(s):
+        m3sparse.index_topk_decode(s["iq"], s["ic"], s["table"], s["seq_lens"], dql, out=s["ids_out"])
+        m3sparse.sparse_attn_decode(s["q"], s["kv"], s["ids_out"], s["table"], s["seq_lens"], dql, out=s["out"])
+
+    result = {}
+    for name, fn in (("index", index), ("attend", attend), ("total", both)):
+        graphs = []
+        for s in sets:
+            fn(s)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn(s)
+            graphs.append(g)
+        for g in graphs:
+            g.replay()
+        counter = iter(range(10**9))
+        result[name] = _events_median(lambda: graphs[next(counter) % len(graphs)].replay(), reps)
+    rows = requests * dql
+    floor_index = requests * context * D * 2 / HBM_BYTES_PER_S * 1e6
+    floor_attend = rows * kv_heads * TOPK * BS * 2 * D * 2 / HBM_BYTES_PER_S * 1e6
+    anchor = DECODE_ANCHORS.get((requests, context, dql, heads, kv_heads))
+    return dict(requests=requests, context=context, dql=dql, heads=heads, kv_heads=kv_heads, sets=num_sets,
+                index_us=result["index"], attend_us=result["attend"], total_us=result["total"],
+                floor_index_us=floor_index, floor_attend_us=floor_attend,
+                anchor_total_us=sum(anchor) if anchor else None, anchor_index_us=anchor[0] if anchor else None,
+                anchor_attend_us=anchor[1] if anchor else None)
+
+
+def bench_prefill(tokens, prefix, heads, kv_heads, reps=10, dense=True):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    seq = prefix + tokens
+    pages = -(-seq // BS)
+    kv = m3sparse.new_kv_cache(pages, kv_heads, torch.bfloat16, device="cuda")
+    kv.normal_(generator=gen)
+    ic = m3sparse.new_index_cache(pages, torch.bfloat16, device="cuda")
+    ic.normal_(generator=gen)
+    table = torch.randperm(pages, device="cuda", generator=gen).int()[None]
+    q = torch.randn(tokens, heads, D, device="cuda", generator=gen).bfloat16()
+    iq = torch.randn(tokens, kv_heads, D, device="cuda", generator=gen).bfloat16()
+    meta = (table, torch.tensor([0, tokens], dtype=torch.int32, device="cuda"),
+            torch.tensor([seq], dtype=torch.int32, device="cuda"),
+            torch.tensor([prefix], dtype=torch.int32, device="cuda"), tokens)
+    ids = torch.empty(kv_heads, tokens, TOPK, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    index = lambda: m3sparse.index_topk_prefill(iq, ic, *meta, out=ids)  # noqa: E731
+    attend = lambda: m3sparse.sparse_attn_prefill(q, kv, ids, *meta, out=out)  # noqa: E731
+    index()
+    attend()
+    torch.cuda.synchronize()
+    t_index = _events_median(index, reps) / 1e3
+    t_attend = _events_median(attend, reps) / 1e3
+    pos = torch.arange(prefix, seq, device="cuda", dtype=torch.float64)
+    index_flops = 2 * kv_heads * D * (pos + 1).sum().item()
+    keys = torch.clamp(pos + 1, max=(TOPK - 1) * BS + pos.remainder(BS) + 1)
+    attend_flops = 4 * heads * D * keys.sum().item()
+    t_dense = None
+    if dense:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        qd = q.transpose(0, 1)[None]
+        kd = torch.randn(1, heads, seq, D, device="cuda", generator=gen).bfloat16()
+        vd = torch.randn_like(kd)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            if prefix == 0:
+                fn = lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)  # noqa
+                fn()
+                t_dense = _events_median(fn, max(3, reps // 2)) / 1e3
+    anchor = PREFILL_ANCHORS.get((tokens, prefix, heads, kv_heads))
+    return dict(tokens=tokens, prefix=prefix, heads=heads, kv_heads=kv_heads, index_ms=t_index, attend_ms=t_attend,
+                index_tflops=index_flops / t_index / 1e9, attend_tflops=attend_flops / t_attend / 1e9,
+                dense_ms=t_dense, anchor_index_ms=anchor[0] if anchor else None,
+                anchor_attend_ms=anchor[1] if anchor else None, anchor_dense_ms=anchor[2] if anchor else None)
+
+
+def _fmt(x, spec=".1f"):
+    return "—" if x is None else format(x, spec)
+
+
+def decode_table(rows) -> str:
+    lines = ["| requests | context | q tokens | heads | index µs | attend µs | total µs | % of HBM floor (total) "
+             "| anchor total µs | ratio to anchor |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        floor = r["floor_index_us"] + r["floor_attend_us"]
+        ratio = r["total_us"] / r["anchor_total_us"] if r["anchor_total_us"] else None
+        lines.append(f"| {r['requests']} | {r['context'] // 1024}k | {r['dql']} | {r['heads']}/{r['kv_heads']} | "
+                     f"{r['index_us']:.1f} | {r['attend_us']:.1f} | {r['total_us']:.1f} | {100 * floor / r['total_us']:.0f} % | "
+                     f"{_fmt(r['anchor_total_us'])} | {_fmt(ratio, '.2f')} |")
+    return "\n".join(lines)
+
+
+def prefill_table(rows) -> str:
+    lines = ["| tokens | prefix | heads | index ms (TFLOP/s) | attend ms (useful TFLOP/s) | total ms | anchor total ms "
+             "| ratio to anchor | dense flash ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        total = r["index_ms"] + r["attend_ms"]
+        anchor = (r["anchor_index_ms"] + r["anchor_attend_ms"]) if r["anchor_index_ms"] else None
+        lines.append(f"| {r['tokens'] // 1024}k | {r['prefix'] // 1024}k | {r['heads']}/{r['kv_heads']} | "
+                     f"{r['index_ms']:.3f} ({r['index_tflops']:.0f}) | {r['attend_ms']:.3f} ({r['attend_tflops']:.0f}) | "
+                     f"{total:.3f} | {_fmt(anchor, '.2f')} | {_fmt(total / anchor if anchor else None, '.2f')} | "
+                     f"{_fmt(r['dense_ms'], '.3f')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m m3sparse bench", description=__doc__)
+    parser.add_argument("--what", choices=["decode", "prefill", "all"], default="all")
+    parser.add_argument("--quick", action="store_true", help="a small subset")
+    parser.add_argument("--json", help="write the raw rows here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench needs a CUDA GPU")
+    props = torch.cuda.get_device_properties(0)
+    import triton
+    print(f"GPU {props.name}, torch {torch.__version__}, triton {triton.__version__}")
+    decode_cases = list(DECODE_ANCHORS)
+    prefill_cases = list(PREFILL_ANCHORS)
+    if args.quick:
+        decode_cases, prefill_cases = decode_cases[:3], prefill_cases[:1]
+    results = {"decode": [], "prefill": []}
+    if args.what in ("decode", "all"):
+        for case in decode_cases:
+            results["decode"].append(bench_decode(*case))
+            torch.cuda.empty_cache()
+        print(decode_table(results["decode"]), flush=True)
+    if args.what in ("prefill", "all"):
+        for case in prefill_cases:
+            results["prefill"].append(bench_prefill(*case, reps=5 if case[0] >= 131072 else 10))
+            torch.cuda.empty_cache()
+        print(prefill_table(results["prefill"]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""GPU-only checks: 1M-token contexts, CUDA-graph capture and replay of the decode pair, and an adversarial
+top-k buffer (run these under compute-sanitizer memcheck too)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import m3sparse
+from m3sparse import reference
+
+pytestmark = pytest.mark.gpu
+BS = 128
+
+
+def _decode_inputs(batch, ctx_max, heads=16, kv_heads=1, dql=1, gen=None, dtype=torch.bfloat16,
+                   kv_dtype=torch.bfloat16):
+    """Random decode inputs with shuffled pages; caches filled with random data (no zeros)."""
+    pages_per = -(-ctx_max // BS)
+    num_pages = batch * pages_per + 3
+    dev = "cuda"
+    kv = m3sparse.new_kv_cache(num_pages, kv_heads, kv_dtype, device=dev)
+    kv.copy_(torch.randn(kv.shape, device=dev, generator=gen).to(kv_dtype))
+    ic = m3sparse.new_index_cache(num_pages, torch.bfloat16, device=dev)
+    ic.copy_(torch.randn(ic.shape, device=dev, generator=gen))
+    table = torch.randperm(num_pages, device=dev, generator=gen)[: batch * pages_per].view(batch, pages_per).int()
+    q = torch.randn(batch * dql, heads, 128, device=dev, generator=gen).to(dtype)
+    iq = torch.randn(batch * dql, kv_heads, 128, device=dev, generator=gen).to(dtype)
+    return kv, ic, table, q, iq
+
+
+def test_one_million_context_decode_reaches_block_8191():
+    ctx = 1 << 20
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    kv, ic, table, q, iq = _decode_inputs(2, ctx, heads=8, gen=gen)
+    seq_lens = torch.tensor([ctx, ctx - 200], dtype=torch.int32, device="cuda")
+    ids = m3sparse.index_topk_decode(iq, ic, table, seq_lens, 1)
+    ref_ids = reference.index_topk_decode(iq, ic, table, seq_lens, 1)
+    assert 8191 in ids[0, 0].tolist() and 8190 in ids[0, 1].tolist()
+    same = (ids.sort(-1).values == ref_ids.sort(-1).values).all(-1).float().mean().item()
+    assert same == 1.0
+    hand = torch.tensor([8191, 0, 4095, 8190, -1, 9000, 8191, 77, 5000, 6000, 7000, 8000, 100, 200, 300, 400],
+                        dtype=torch.int32, device="cuda").expand(1, 2, 16).contiguous()
+    out = m3sparse.sparse_attn_decode(q, kv, hand, table, seq_lens, 1)
+    ref = reference.sparse_attn_decode(q, kv, hand, table, seq_lens, 1)
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+
+
+def test_decode_pair_cuda_graph_replay_follows_new_inputs():
+    batch, ctx_max, dql, heads = 6, 40_000, 2, 16
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    kv, ic, table, q, iq = _decode_inputs(batch, ctx_max, heads=heads, dql=dql, gen=gen)
+    seq_lens = torch.full((batch,), 5000, dtype=torch.int32, device="cuda")
+    ids_buf = torch.full((batch * dql + 5, 1, 16), -1, dtype=torch.int32, device="cuda")  # shared, token-major
+    out = torch.empty_like(q)
+    ids = ids_buf[: batch * dql].transpose(0, 1)
+    k_scale = torch.ones(1, device="cuda")
+
+    def step():
+        m3sparse.index_topk_decode(iq, ic, table, seq_lens, dql, out=ids)
+        m3sparse.sparse_attn_decode(q, kv, ids, table, seq_lens, dql, out=out, k_scale=k_scale)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lens in ([1, 2047, 2048, 39_999, 0, 130], [40_000, 129, 3, 20_000, 256, 0], [7, 7, 7, 33_333, 1, 2]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn(q.shape, device="cuda", generator=gen))
+        iq.copy_(torch.randn(iq.shape, device="cuda", generator=gen))
+        table.copy_(table[torch.randperm(batch, device="cuda", generator=gen)])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_ids = reference.index_topk_decode(iq, ic, table, seq_lens, dql)
+        assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
+        ref = reference.sparse_attn_decode(q, kv, ref_ids, table, seq_lens, dql)
+        assert torch.isfinite(out).all()
+        assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+        assert (out[8:10] == 0).all() if lens[4] == 0 else True
+        assert (ids_buf[batch * dql:] == -1).all()
+
+
+def test_adversarial_topk_buffer_memcheck():
+    """Ids of every kind of wrongness, a block table with garbage past each request's blocks: no bad access
+    (run under compute-sanitizer memcheck), and the output equals the reference's reading of the same ids."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    batch, ctx_max = 4, 9000
+    kv, ic, table, q, iq = _decode_inputs(batch, ctx_max, heads=16, dql=3, gen=gen, kv_dtype=torch.float8_e4m3fn)
+    seq_lens = torch.tensor([9000, 130, 0, 2], dtype=torch.int32, device="cuda")
+    wide = torch.cat([table, torch.full((batch, 4), 2**30, dtype=torch.int32, device="cuda")], 1)
+    wide[1, 2:] = -5  # pages past request 1's blocks are garbage
+    ids = torch.randint(-2**31, 2**31 - 1, (1, batch * 3, 16), dtype=torch.int32, device="cuda", generator=gen)
+    ids[..., :8] = torch.randint(-3, 80, (1, batch * 3, 8), dtype=torch.int32, device="cuda", generator=gen)
+    scales = torch.rand(1, kv.shape[0] * BS, device="cuda", generator=gen) + 0.1
+    out = m3sparse.sparse_attn_decode(q, kv, ids, wide, seq_lens, 3, k_scale=scales, v_scale=torch.tensor([0.5],
+                                      device="cuda"))
+    ref = reference.sparse_attn_decode(q, kv, ids, wide, seq_lens, 3, k_scale=scales,
+                                       v_scale=torch.tensor([0.5], device="cuda"))
+    torch.cuda.synchronize()
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 3e-2
+    # The indexer never emits ids past the own block, whatever the table holds past it.
+    got = m3sparse.index_topk_decode(iq, ic, wide, seq_lens, 3)
+    own = (seq_lens.repeat_interleave(3) - 3 + torch.arange(batch * 3, device="cuda").remainder(3)).div(
+        BS, rounding_mode="floor")
+    assert ((got <= own[None, :, None]) | (got == -1)).all()
