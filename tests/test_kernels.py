@@ -146,11 +146,13 @@ SMALL_CASES = {
                                   index_dtype=torch.float8_e4m3fn),
 }
 GPU_CASES = {
-    "tp4-32k-prefill-chunk": dict(requests=[(28_000, 700), (0, 3000)], heads=16, kv_heads=1, block_size=128),
+    "tp4-32k-prefill-chunk": dict(requests=[(28_000, 700), (0, 3000)], heads=16, kv_heads=1, block_size=128,
+                                  index_dtype=torch.bfloat16),
+    "tp4-mixed-dtypes-prefill": dict(requests=[(9_000, 300), (0, 2100)], heads=16, kv_heads=1, block_size=128),
     "tp1-decode-128k": dict(requests=[(131_071, 1), (40_000, 1), (5, 1), (-1, 1)], heads=64, kv_heads=4,
                             block_size=128, decode_query_len=1),
     "tp8-spec-decode": dict(requests=[(70_000, 4), (2046, 4), (-4, 4)], heads=8, kv_heads=1, block_size=128,
-                            decode_query_len=4),
+                            decode_query_len=4, index_dtype=torch.float8_e4m3fn),
 }
 
 

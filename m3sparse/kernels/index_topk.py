@@ -125,7 +125,7 @@ def _index_topk(index_q, index_cache, block_table, seq_lens, cu_seqlens_q, conte
             index_cache.stride(1), block_table, block_table.stride(0), num_pages,
             scores, scores.stride(0), scores.stride(1), cu_seqlens_q, context_lens, seq_lens,
             decode_query_len, splits, IS_DECODE=is_decode, BLOCK_M=block_m, BS=bs, D=dim,
-            DOT_F32=dot_in_fp32(index_q.dtype), num_warps=4)
+            DOT_F32=dot_in_fp32(index_q.dtype, index_cache.dtype), num_warps=4)
     _select_topk_kernel[(num_tokens, kv_heads)](
         scores, scores.stride(0), scores.stride(1), out, out.stride(0), out.stride(1), out.stride(2),
         seq_lens, row_req, row_pos, decode_query_len, local_blocks, init_blocks, IS_DECODE=is_decode, BS=bs,

@@ -160,7 +160,7 @@ def _sparse_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos,
         decode_query_len, ks, ks_h, vs, vs_h, float(scale) * k_val, v_val,
         out, out.stride(0), out.stride(1), m, l, acc, splits,
         IS_DECODE=decode_query_len > 0, G=group, BLOCK_H=max(16, next_pow2(group)), BS=bs, D=dim, TOPK=topk,
-        TOPK_PAD=max(2, next_pow2(topk)), K_SCALE=k_mode, V_SCALE=v_mode, DOT_F32=dot_in_fp32(q.dtype),
+        TOPK_PAD=max(2, next_pow2(topk)), K_SCALE=k_mode, V_SCALE=v_mode, DOT_F32=dot_in_fp32(q.dtype, kv_cache.dtype),
         WRITE_OUT=splits == 1, num_warps=4)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_heads,
