@@ -1,6 +1,12 @@
-"""The reference (public ops on CPU tensors) against the naive float64 oracle: spec section 8 and properties."""
+"""The public ops against the naive float64 oracle: every check of spec section 8, and properties.
+
+Each test runs twice on CPU tensors: through the reference, and through the Triton kernels under the
+interpreter (the GPU runs of the kernels are in test_kernels.py and test_gpu.py). Tests marked
+``reference_only`` are too large for the interpreter.
+"""
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -10,6 +16,15 @@ from batches import make_batch
 from naive import check_selection
 
 ATOL = 2e-4  # fp32 queries against an fp64 oracle over the same stored keys
+
+
+@pytest.fixture(autouse=True, params=["reference", "kernels"])
+def implementation(request):
+    if request.param == "kernels":
+        if request.node.get_closest_marker("reference_only"):
+            pytest.skip("too large for the Triton interpreter; the GPU tests cover the kernels here")
+        request.getfixturevalue("interpreter")
+    return request.param
 
 
 def assert_selection(batch, ids, topk=16, local_blocks=1, init_blocks=0, tol=1e-4):
@@ -117,6 +132,7 @@ def test_permuting_valid_ids_leaves_output_unchanged():
 
 
 # ------------------------------------------------------------------------ spec 8.5: chunked prefill mid-block
+@pytest.mark.reference_only  # test_kernels.py has the kernels' version at a size the interpreter can run
 def test_chunked_prefill_from_mid_block_equals_full_prefill():
     total, split = 45 * 16 + 9, 23 * 16 + 7
     full = make_batch([(0, total)], heads=4, kv_heads=2, block_size=16, seed=5)
@@ -153,7 +169,8 @@ def test_speculative_rows_straddling_block_edge():
     assert torch.equal(pre, ids)
     out_pre = m3sparse.sparse_attn_prefill(batch.q, batch.kv_cache, ids, batch.block_table, **meta,
                                            k_scale=batch.k_scale, v_scale=batch.v_scale)
-    torch.testing.assert_close(out_pre, out, rtol=0, atol=0)
+    # The decode kernel splits small batches across programs and merges: equal up to fp32 rounding.
+    torch.testing.assert_close(out_pre, out, rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------- spec 8.7: mixed batch, shuffled pages, separate index table
@@ -217,6 +234,7 @@ def test_padding_rows_and_zero_length_requests():
 
 
 # ----------------------------------------------------------------------- spec 8.11: long context, id 8191
+@pytest.mark.reference_only
 def test_long_context_128k_decode():
     ctx = 128 * 1024
     batch = make_batch([(ctx - 1, 1)], heads=16, kv_heads=1, block_size=128, seed=12)
@@ -226,6 +244,7 @@ def test_long_context_128k_decode():
     assert_attention(batch, ids, out)
 
 
+@pytest.mark.reference_only
 def test_block_id_8191_at_1m_context():
     batch = make_batch([(1 << 20, 0)], heads=8, kv_heads=1, block_size=128, seed=13)
     # One decode row at the last position of a 1M-token context, with hand-made ids reaching block 8191.
@@ -288,7 +307,9 @@ def batches(draw):
         draw(st.integers(0, 1))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.reference_only
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(batches())
 def test_reference_matches_naive_oracle(case):
     spec, topk, local_blocks, init_blocks = case
