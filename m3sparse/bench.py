@@ -57,18 +57,19 @@ def _realistic_ids(seq_lens: torch.Tensor, dql: int, kv_heads: int, gen) -> torc
     return torch.cat([own.int()[None, :, None].expand(kv_heads, -1, 1), older], dim=-1).contiguous()
 
 
-def bench_decode(requests, context, dql, heads, kv_heads, reps=100):
+def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=torch.bfloat16):
     gen = torch.Generator(device="cuda").manual_seed(0)
     pages_per = context // BS
-    set_bytes = requests * pages_per * BS * (2 * D * kv_heads + D) * 2
+    key_bytes = index_dtype.itemsize
+    set_bytes = requests * pages_per * BS * (2 * D * kv_heads * 2 + D * key_bytes)
     num_sets = max(1, min(8, math.ceil(200e6 / set_bytes)))
     sets = []
     for _ in range(num_sets):
         num_pages = requests * pages_per
         kv = m3sparse.new_kv_cache(num_pages, kv_heads, torch.bfloat16, device="cuda")
         kv.normal_(generator=gen)
-        ic = m3sparse.new_index_cache(num_pages, torch.bfloat16, device="cuda")
-        ic.normal_(generator=gen)
+        ic = m3sparse.new_index_cache(num_pages, index_dtype, device="cuda")
+        ic.copy_(torch.randn(ic.shape, device="cuda", generator=gen))
         table = torch.randperm(num_pages, device="cuda", generator=gen).int().view(requests, pages_per)
         seq_lens = torch.full((requests,), context, dtype=torch.int32, device="cuda")
         q = torch.randn(requests * dql, heads, D, device="cuda", generator=gen).bfloat16()
@@ -102,10 +103,11 @@ def bench_decode(requests, context, dql, heads, kv_heads, reps=100):
         counter = iter(range(10**9))
         result[name] = _events_median(lambda: graphs[next(counter) % len(graphs)].replay(), reps)
     rows = requests * dql
-    floor_index = requests * context * D * 2 / HBM_BYTES_PER_S * 1e6
+    floor_index = requests * context * D * key_bytes / HBM_BYTES_PER_S * 1e6
     floor_attend = rows * kv_heads * TOPK * BS * 2 * D * 2 / HBM_BYTES_PER_S * 1e6
     anchor = DECODE_ANCHORS.get((requests, context, dql, heads, kv_heads))
     return dict(requests=requests, context=context, dql=dql, heads=heads, kv_heads=kv_heads, sets=num_sets,
+                index_dtype=str(index_dtype).replace("torch.", ""),
                 index_us=result["index"], attend_us=result["attend"], total_us=result["total"],
                 floor_index_us=floor_index, floor_attend_us=floor_attend,
                 anchor_total_us=sum(anchor) if anchor else None, anchor_index_us=anchor[0] if anchor else None,
@@ -191,12 +193,15 @@ def main(argv=None) -> None:
     parser.add_argument("--what", choices=["decode", "prefill", "all"], default="all")
     parser.add_argument("--quick", action="store_true", help="a small subset")
     parser.add_argument("--json", help="write the raw rows here")
+    parser.add_argument("--index-cache-dtype", choices=["bfloat16", "fp8_e4m3"], default="bfloat16",
+                        help="dtype of the index-key cache in the decode cases")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench needs a CUDA GPU")
     props = torch.cuda.get_device_properties(0)
     import triton
-    print(f"GPU {props.name}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"GPU {props.name}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"index cache {args.index_cache_dtype}")
     decode_cases = list(DECODE_ANCHORS)
     prefill_cases = list(PREFILL_ANCHORS)
     if args.quick:
@@ -204,7 +209,8 @@ def main(argv=None) -> None:
     results = {"decode": [], "prefill": []}
     if args.what in ("decode", "all"):
         for case in decode_cases:
-            results["decode"].append(bench_decode(*case))
+            index_dtype = torch.float8_e4m3fn if args.index_cache_dtype == "fp8_e4m3" else torch.bfloat16
+            results["decode"].append(bench_decode(*case, index_dtype=index_dtype))
             torch.cuda.empty_cache()
         print(decode_table(results["decode"]), flush=True)
     if args.what in ("prefill", "all"):

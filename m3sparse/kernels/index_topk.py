@@ -1,9 +1,9 @@
 """Index scoring (block maxima of index_q . index_k) and top-k block selection.
 
-Two launches: ``_block_scores_kernel`` tiles the rows of each request and walks its visible blocks (split
-across programs for long decode contexts), writing one fp32 score per (row, head, block); then
-``_select_topk_kernel`` picks each row's blocks with an exact radix-free bisection on order-preserving
-integer keys, so forced blocks, NaN and ties need no sort.
+Two launches: ``_block_scores_kernel`` tiles the rows of each request (all index heads of a row in one tile,
+so the shared index keys are read once) and walks its visible blocks, split across programs for long decode
+contexts, writing one fp32 score per (row, head, block); then ``_select_topk_kernel`` picks each row's
+blocks by repeated max over order-preserving integer keys, so forced blocks, NaN and ties need no sort.
 """
 from __future__ import annotations
 
@@ -19,18 +19,18 @@ from .rows import prefill_row_map, row_request_position
 _NAN_KEY = -(2**31) - 1
 _FORCED_KEY = 2**31 + 1
 _INVALID_KEY = -(2**40)
-_BISECT_STEPS = 34  # ceil(log2(_FORCED_KEY - _NAN_KEY + 1)) + 1
 
 
 @triton.jit
 def _block_scores_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb, num_pages,
-                         sc_ptr, sc_sh, sc_st, cu_ptr, ctx_ptr, seq_ptr, DQL, SPLITS,
-                         IS_DECODE: tl.constexpr, BLOCK_M: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                         DOT_F32: tl.constexpr):
+                         sc_ptr, sc_sh, sc_st, cu_ptr, ctx_ptr, seq_ptr, DQL, SPLITS, HKV,
+                         IS_DECODE: tl.constexpr, BLOCK_M: tl.constexpr, HKV_PAD: tl.constexpr, BS: tl.constexpr,
+                         D: tl.constexpr, DOT_F32: tl.constexpr):
+    # The M dimension holds (row, index head) pairs: the one index-key head is read once for all heads.
+    ROWS: tl.constexpr = BLOCK_M // HKV_PAD
     tile = tl.program_id(0)
     b = tl.program_id(1)
-    g = tl.program_id(2) // SPLITS
-    split = tl.program_id(2) % SPLITS
+    split = tl.program_id(2)
     if IS_DECODE:
         row0 = b * DQL
         nrows = DQL
@@ -39,19 +39,22 @@ def _block_scores_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_
         row0 = tl.load(cu_ptr + b)
         nrows = tl.load(cu_ptr + b + 1) - row0
         first = tl.load(ctx_ptr + b)
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m = tl.arange(0, BLOCK_M)
+    g = m % HKV_PAD
+    rows = tile * ROWS + m // HKV_PAD
     pos = first + rows
-    live = (rows < nrows) & (pos >= 0)
+    live = (rows < nrows) & (pos >= 0) & (g < HKV)
     own = tl.where(live, pos // BS, -1)
-    last_pos = first + tl.minimum(nrows, (tile + 1) * BLOCK_M) - 1
-    n_blocks = tl.where((last_pos >= 0) & (tile * BLOCK_M < nrows), last_pos // BS + 1, 0)
+    last_pos = first + tl.minimum(nrows, (tile + 1) * ROWS) - 1
+    n_blocks = tl.where((last_pos >= 0) & (tile * ROWS < nrows), last_pos // BS + 1, 0)
     per_split = tl.cdiv(n_blocks, SPLITS)
     lo = split * per_split
     hi = tl.minimum(n_blocks, lo + per_split)
 
     d = tl.arange(0, D)
     j = tl.arange(0, BS)
-    q = tl.load(iq_ptr + (row0 + rows)[:, None] * iq_st + g * iq_sh + d[None, :], mask=live[:, None], other=0.0)
+    q = tl.load(iq_ptr + (row0 + rows)[:, None] * iq_st + g[:, None] * iq_sh + d[None, :], mask=live[:, None],
+                other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
     out_rows = sc_ptr + g * sc_sh + (row0 + rows) * sc_st
@@ -70,8 +73,8 @@ def _block_scores_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_
 @triton.jit
 def _select_topk_kernel(sc_ptr, sc_sh, sc_st, out_ptr, o_sh, o_st, o_sk, seq_ptr, row_req_ptr, row_pos_ptr,
                         DQL, LOCAL, INIT, IS_DECODE: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr,
-                        TOPK_PAD: tl.constexpr, NB_PAD: tl.constexpr, NAN_KEY: tl.constexpr,
-                        FORCED_KEY: tl.constexpr, INVALID_KEY: tl.constexpr, STEPS: tl.constexpr):
+                        NB_PAD: tl.constexpr, NAN_KEY: tl.constexpr, FORCED_KEY: tl.constexpr,
+                        INVALID_KEY: tl.constexpr):
     t = tl.program_id(0)
     g = tl.program_id(1)
     _, p = row_request_position(t, seq_ptr, row_req_ptr, row_pos_ptr, DQL, IS_DECODE)
@@ -85,23 +88,14 @@ def _select_topk_kernel(sc_ptr, sc_sh, sc_st, out_ptr, o_sh, o_st, o_sk, seq_ptr
     key = tl.where(s != s, NAN_KEY, key)
     key = tl.where(valid & ((blk > c - LOCAL) | (blk < INIT)), FORCED_KEY, key)
     key = tl.where(valid, key, INVALID_KEY)
-    # Largest threshold with at least k keys at or above it: the k-th largest key.
-    lo = tl.full([], NAN_KEY, tl.int64)
-    hi = tl.full([], FORCED_KEY, tl.int64)
-    for _ in range(STEPS):
-        mid = lo + (hi - lo + 1) // 2
-        enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= k
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
-    above = key > lo
-    tied = key == lo
-    need = k - tl.sum(above.to(tl.int32), axis=0)
-    take = valid & (above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need)))
-    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    # One max per pick: key and block id packed in one non-negative int64 (ties go to the lower block).
+    packed = (key - INVALID_KEY) * NB_PAD + (NB_PAD - 1 - blk)
     row = out_ptr + g * o_sh + t * o_st
-    tl.store(row + slot * o_sk, blk, mask=take)
-    kk = tl.arange(0, TOPK_PAD)
-    tl.store(row + kk * o_sk, tl.full([TOPK_PAD], -1, tl.int32), mask=(kk >= k) & (kk < TOPK))
+    for r in range(TOPK):
+        best = tl.max(packed, axis=0)
+        pick = NB_PAD - 1 - (best % NB_PAD)
+        tl.store(row + r * o_sk, tl.where(r < k, pick, -1).to(tl.int32))
+        packed = tl.where(blk == pick, -1, packed)
 
 
 def _index_topk(index_q, index_cache, block_table, seq_lens, cu_seqlens_q, context_lens, row_req, row_pos,
@@ -116,21 +110,24 @@ def _index_topk(index_q, index_cache, block_table, seq_lens, cu_seqlens_q, conte
         return out
     scores = torch.empty((kv_heads, num_tokens, max(width, 1)), dtype=torch.float32, device=index_q.device)
     if batch and width and max_rows:
-        block_m = max(16, next_pow2(max_rows)) if is_decode and max_rows <= 64 else 64
+        hkv_pad = next_pow2(kv_heads)
+        block_m = max(16, next_pow2(max_rows * hkv_pad)) if is_decode and max_rows * hkv_pad <= 64 \
+            else max(64, hkv_pad)
+        rows_per_tile = block_m // hkv_pad
         # Long decode contexts: split each request's blocks so that the grid fills the GPU.
-        splits = max(1, min(triton.cdiv(width, 4), triton.cdiv(512, batch * kv_heads))) if is_decode else 1
-        grid = (triton.cdiv(max_rows, block_m), batch, kv_heads * splits)
+        splits = max(1, min(triton.cdiv(width, 4), triton.cdiv(512, batch))) if is_decode else 1
+        grid = (triton.cdiv(max_rows, rows_per_tile), batch, splits)
         _block_scores_kernel[grid](
             index_q, index_q.stride(0), index_q.stride(1), index_cache, index_cache.stride(0),
             index_cache.stride(1), block_table, block_table.stride(0), num_pages,
             scores, scores.stride(0), scores.stride(1), cu_seqlens_q, context_lens, seq_lens,
-            decode_query_len, splits, IS_DECODE=is_decode, BLOCK_M=block_m, BS=bs, D=dim,
-            DOT_F32=dot_in_fp32(index_q.dtype, index_cache.dtype), num_warps=4)
+            decode_query_len, splits, kv_heads, IS_DECODE=is_decode, BLOCK_M=block_m, HKV_PAD=hkv_pad, BS=bs,
+            D=dim, DOT_F32=dot_in_fp32(index_q.dtype, index_cache.dtype), num_warps=4)
     _select_topk_kernel[(num_tokens, kv_heads)](
         scores, scores.stride(0), scores.stride(1), out, out.stride(0), out.stride(1), out.stride(2),
         seq_lens, row_req, row_pos, decode_query_len, local_blocks, init_blocks, IS_DECODE=is_decode, BS=bs,
-        TOPK=topk, TOPK_PAD=next_pow2(topk), NB_PAD=max(16, next_pow2(width)), NAN_KEY=_NAN_KEY,
-        FORCED_KEY=_FORCED_KEY, INVALID_KEY=_INVALID_KEY, STEPS=_BISECT_STEPS, num_warps=8)
+        TOPK=topk, NB_PAD=max(16, next_pow2(width)), NAN_KEY=_NAN_KEY, FORCED_KEY=_FORCED_KEY,
+        INVALID_KEY=_INVALID_KEY, num_warps=4 if width <= 1024 else 8)
     return out
 
 

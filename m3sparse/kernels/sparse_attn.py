@@ -56,38 +56,42 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
     if V_SCALE == 1:
         v_mult = v_mult * tl.load(vs_ptr)
     per_split = tl.cdiv(TOPK, SPLITS)
+    # No branch in the loop body: ignored ids become fully masked blocks (nothing is loaded for them), so the
+    # compiler can keep the next block's loads in flight while this one is reduced.
     for i in range(split * per_split, tl.minimum(TOPK, (split + 1) * per_split)):
         pick = kk == i
         blk = tl.sum(tl.where(pick, ids, 0), axis=0)
         kept = tl.sum((pick & valid).to(tl.int32), axis=0) > 0
         page = tl.load(bt_ptr + b * bt_sb + blk, mask=kept, other=-1)
-        if (page >= 0) & (page < num_pages):
-            key_pos = blk * BS + j
-            seen = key_pos <= p
-            base = kv_ptr + page.to(tl.int64) * kv_sp + g * kv_sh + j[:, None] * kv_ss + d[None, :]
-            k = tl.load(base, mask=seen[:, None], other=0.0)
-            v = tl.load(base + D, mask=seen[:, None], other=0.0)
-            if DOT_F32:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)))
-            s = s * k_mult
-            slot = page * BS + j
-            if K_SCALE == 2:
-                s = s * tl.load(ks_ptr + g * ks_sh + slot)[None, :]
-            s = tl.where(seen[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            w = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(w, axis=1)
-            if V_SCALE == 2:
-                w = w * tl.load(vs_ptr + g * vs_sh + slot, mask=seen, other=0.0)[None, :]
-            if DOT_F32:
-                pv = tl.dot(w, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(w.to(q.dtype), v.to(q.dtype))
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        use = (page >= 0) & (page < num_pages)
+        page = tl.where(use, page, 0).to(tl.int64)
+        # (j < limit) rather than "& use": the interpreter rejects a scalar bool broadcast into a mask
+        seen = ((blk * BS + j) <= p) & (j < tl.where(use, BS, 0))
+        slot = page * BS + j
+        base = kv_ptr + page * kv_sp + g * kv_sh + j[:, None] * kv_ss + d[None, :]
+        k = tl.load(base, mask=seen[:, None], other=0.0)
+        v = tl.load(base + D, mask=seen[:, None], other=0.0)
+        if DOT_F32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        s = s * k_mult
+        if K_SCALE == 2:
+            s = s * tl.load(ks_ptr + g * ks_sh + slot, mask=seen, other=0.0)[None, :]
+        s = tl.where(seen[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # no key seen yet: keep exp() finite
+        alpha = tl.exp(m_i - m_ref)
+        w = tl.exp(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(w, axis=1)
+        if V_SCALE == 2:
+            w = w * tl.load(vs_ptr + g * vs_sh + slot, mask=seen, other=0.0)[None, :]
+        if DOT_F32:
+            pv = tl.dot(w, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(w.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
     acc = acc * v_mult
     heads = g * G + h
     if WRITE_OUT:
@@ -161,7 +165,7 @@ def _sparse_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos,
         out, out.stride(0), out.stride(1), m, l, acc, splits,
         IS_DECODE=decode_query_len > 0, G=group, BLOCK_H=max(16, next_pow2(group)), BS=bs, D=dim, TOPK=topk,
         TOPK_PAD=max(2, next_pow2(topk)), K_SCALE=k_mode, V_SCALE=v_mode, DOT_F32=dot_in_fp32(q.dtype, kv_cache.dtype),
-        WRITE_OUT=splits == 1, num_warps=4)
+        WRITE_OUT=splits == 1, num_warps=4, num_stages=3)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_heads,
                                                       SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim)
