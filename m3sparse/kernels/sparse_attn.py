@@ -165,7 +165,7 @@ def _sparse_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos,
         out, out.stride(0), out.stride(1), m, l, acc, splits,
         IS_DECODE=decode_query_len > 0, G=group, BLOCK_H=max(16, next_pow2(group)), BS=bs, D=dim, TOPK=topk,
         TOPK_PAD=max(2, next_pow2(topk)), K_SCALE=k_mode, V_SCALE=v_mode, DOT_F32=dot_in_fp32(q.dtype, kv_cache.dtype),
-        WRITE_OUT=splits == 1, num_warps=4, num_stages=3)
+        WRITE_OUT=splits == 1, num_warps=4, num_stages=2)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_heads,
                                                       SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim)
@@ -181,8 +181,10 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
 
 def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, scale=None, out=None,
                        k_scale=None, v_scale=None):
-    # Few rows cannot fill the GPU: split each row's blocks across programs and merge exactly.
+    # Few rows cannot fill the GPU: split each row's blocks across programs and merge exactly. Targets
+    # measured on the H200 (132 SMs): two programs per SM for tiny batches, one for larger ones.
     num_programs = q.shape[0] * kv_cache.shape[1]
-    splits = 1 if num_programs >= 264 else triton.cdiv(264, num_programs)
+    target = 264 if num_programs < 64 else 132
+    splits = 1 if num_programs >= target else triton.cdiv(target, num_programs)
     return _sparse_attn(q, kv_cache, topk_ids, block_table, seq_lens, seq_lens, seq_lens, decode_query_len,
                         scale, out, k_scale, v_scale, splits=splits)
