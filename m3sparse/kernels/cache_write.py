@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import next_pow2
+from .common import next_pow2, scale_args
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -57,20 +57,14 @@ def _write_index_k_kernel(x_ptr, x_st, slot_ptr, c_ptr, c_sp, c_ss, num_slots, B
         tl.store(c_ptr + (slot // BS) * c_sp + (slot % BS) * c_ss + d, x.to(c_ptr.dtype.element_ty))
 
 
-def _scale_args(scale, fallback: torch.Tensor):
-    if isinstance(scale, torch.Tensor):
-        return (2 if scale.numel() != 1 else 1), scale, 1.0, (scale.stride(0) if scale.numel() != 1 else 0)
-    return 0, fallback, (1.0 if scale is None else float(scale)), 0
-
-
 def write_kv(key, value, kv_cache, slot_mapping, k_scale=None, v_scale=None):
     num_tokens, kv_heads, dim = key.shape
     num_pages, _, bs, _ = kv_cache.shape
     if num_tokens == 0:
         return
     fp8 = kv_cache.dtype in _FP8
-    k_mode, ks, ks_val, ks_sh = _scale_args(k_scale if fp8 else None, key)
-    v_mode, vs, vs_val, vs_sh = _scale_args(v_scale if fp8 else None, key)
+    k_mode, ks, ks_sh, ks_val = scale_args(k_scale if fp8 else None, key)
+    v_mode, vs, vs_sh, vs_val = scale_args(v_scale if fp8 else None, key)
     _write_kv_kernel[(num_tokens, kv_heads)](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), num_pages * bs,

@@ -25,3 +25,19 @@ def dot_in_fp32(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+# How a kernel gets an fp8 scale: 0 = a host float folded into the launch arguments (or no fp8 at all), 1 = a
+# one-element device tensor read by the kernel (graph-safe: replays see new values), 2 = a per (kv head, slot)
+# tensor.
+FOLDED_SCALE, TENSOR_SCALE, SLOT_SCALE = 0, 1, 2
+
+
+def scale_args(scale, placeholder: torch.Tensor) -> tuple[int, torch.Tensor, int, float]:
+    """(mode, pointer tensor, head stride, folded float) for one scale argument; ``placeholder`` is passed
+    as the pointer when the kernel reads none."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            return SLOT_SCALE, scale, scale.stride(0), 1.0
+        return TENSOR_SCALE, scale, 0, 1.0
+    return FOLDED_SCALE, placeholder, 0, 1.0 if scale is None else float(scale)

@@ -10,12 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_in_fp32, next_pow2
+from .common import dot_in_fp32, next_pow2, scale_args
 from .rows import prefill_row_map, row_request_position
-
-# Scale modes: 0 = a host float folded into the launch arguments (or no fp8 at all), 1 = a one-element
-# device tensor read by the kernel (graph-safe: replays see new values), 2 = per (kv head, slot) tensor.
-_FOLDED_SCALE, _TENSOR_SCALE, _SLOT_SCALE = 0, 1, 2
 
 
 @triton.jit
@@ -124,15 +120,6 @@ def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, H, SPLITS: tl
     tl.store(o_ptr + t * o_st + h * o_sh + d, o.to(o_ptr.dtype.element_ty))
 
 
-def _scale_args(scale):
-    """(mode, pointer tensor, head stride, folded float) for one fp8 scale argument."""
-    if isinstance(scale, torch.Tensor) and scale.numel() != 1:
-        return _SLOT_SCALE, scale, scale.stride(0), 1.0
-    if isinstance(scale, torch.Tensor):
-        return _TENSOR_SCALE, scale, 0, 1.0
-    return _FOLDED_SCALE, None, 0, 1.0 if scale is None else float(scale)
-
-
 def _sparse_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, decode_query_len, scale,
                  out, k_scale, v_scale, splits):
     num_tokens, num_heads, dim = q.shape
@@ -146,10 +133,8 @@ def _sparse_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos,
     if scale is None:
         scale = dim ** -0.5
     fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    k_mode, ks, ks_h, k_val = _scale_args(k_scale) if fp8 else (_FOLDED_SCALE, q, 0, 1.0)
-    v_mode, vs, vs_h, v_val = _scale_args(v_scale) if fp8 else (_FOLDED_SCALE, q, 0, 1.0)
-    ks = q if ks is None else ks  # an unread placeholder pointer for folded scales
-    vs = q if vs is None else vs
+    k_mode, ks, ks_h, k_val = scale_args(k_scale if fp8 else None, q)
+    v_mode, vs, vs_h, v_val = scale_args(v_scale if fp8 else None, q)
     splits = max(1, min(splits, topk))
     if splits > 1:
         m = torch.empty((num_tokens, splits, num_heads), dtype=torch.float32, device=q.device)
