@@ -7,8 +7,9 @@ import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-KV_CACHE_DTYPES = HALF_DTYPES + FP8_DTYPES
-INDEX_CACHE_DTYPES = HALF_DTYPES + (torch.float8_e4m3fn,)
+# fp32 caches exist for exact comparisons on the CPU (conformance runs); serving uses 16-bit or fp8.
+KV_CACHE_DTYPES = HALF_DTYPES + FP8_DTYPES + (torch.float32,)
+INDEX_CACHE_DTYPES = HALF_DTYPES + (torch.float8_e4m3fn, torch.float32)
 QUERY_DTYPES = HALF_DTYPES + (torch.float32,)
 
 

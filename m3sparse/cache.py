@@ -14,6 +14,7 @@ _DTYPE_NAMES = {
     "auto": torch.bfloat16,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    "float32": torch.float32,
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
