@@ -59,6 +59,17 @@ def _realistic_ids(seq_lens: torch.Tensor, dql: int, kv_heads: int, gen) -> torc
     return torch.cat([own.int()[None, :, None].expand(kv_heads, -1, 1), older], dim=-1).contiguous()
 
 
+def _shared_ids(ids: torch.Tensor, dql: int, shared: int = 12) -> torch.Tensor:
+    """Speculative rows that share ``shared`` of their 16 blocks with their request's first row (own blocks
+    stay their own)."""
+    if dql == 1:
+        return ids
+    heads, rows, k = ids.shape
+    out = ids.view(heads, rows // dql, dql, k).clone()
+    out[:, :, 1:, 1:shared + 1] = out[:, :, :1, 1:shared + 1]
+    return out.view(heads, rows, k)
+
+
 def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=torch.bfloat16):
     gen = torch.Generator(device="cuda").manual_seed(0)
     pages_per = context // BS
@@ -78,7 +89,7 @@ def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=
         iq = torch.randn(requests * dql, kv_heads, D, device="cuda", generator=gen).bfloat16()
         ids = _realistic_ids(seq_lens, dql, kv_heads, gen)
         sets.append(dict(kv=kv, ic=ic, table=table, seq_lens=seq_lens, q=q, iq=iq, ids=ids,
-                         ids_out=torch.empty_like(ids), out=torch.empty_like(q)))
+                         shared_ids=_shared_ids(ids, dql), ids_out=torch.empty_like(ids), out=torch.empty_like(q)))
 
     def index(s):
         m3sparse.index_topk_decode(s["iq"], s["ic"], s["table"], s["seq_lens"], dql, out=s["ids_out"])
@@ -86,12 +97,18 @@ def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=
     def attend(s):
         m3sparse.sparse_attn_decode(s["q"], s["kv"], s["ids"], s["table"], s["seq_lens"], dql, out=s["out"])
 
+    def attend_shared(s):
+        m3sparse.sparse_attn_decode(s["q"], s["kv"], s["shared_ids"], s["table"], s["seq_lens"], dql, out=s["out"])
+
     def both(s):
         m3sparse.index_topk_decode(s["iq"], s["ic"], s["table"], s["seq_lens"], dql, out=s["ids_out"])
         m3sparse.sparse_attn_decode(s["q"], s["kv"], s["ids_out"], s["table"], s["seq_lens"], dql, out=s["out"])
 
     result = {}
-    for name, fn in (("index", index), ("attend", attend), ("total", both)):
+    ops = [("index", index), ("attend", attend), ("total", both)]
+    if dql > 1:
+        ops.append(("attend_shared", attend_shared))
+    for name, fn in ops:
         for s in sets:
             fn(s)
         torch.cuda.synchronize()
@@ -111,6 +128,16 @@ def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=
         result[name] = _events_median(stacked.replay, max(10, reps // 4)) / LAYERS_PER_GRAPH
         counter = iter(range(10**9))
         result[name + "_single"] = _events_median(lambda: single[next(counter) % len(single)].replay(), reps)
+    selection_differs = None
+    if index_dtype != torch.bfloat16:
+        # How often the fp8 index keys change a row's selection against the same keys in bf16.
+        s = sets[0]
+        exact = m3sparse.new_index_cache(s["ic"].shape[0], torch.bfloat16, device="cuda")
+        exact.copy_(torch.randn(exact.shape, device="cuda", generator=gen))
+        s["ic"].copy_(exact)  # the same keys, rounded to fp8
+        bf16_ids = m3sparse.index_topk_decode(s["iq"], exact, s["table"], s["seq_lens"], dql)
+        fp8_ids = m3sparse.index_topk_decode(s["iq"], s["ic"], s["table"], s["seq_lens"], dql)
+        selection_differs = 100 * (bf16_ids.sort(-1).values != fp8_ids.sort(-1).values).any(-1).float().mean().item()
     rows = requests * dql
     floor_index = requests * context * D * key_bytes / HBM_BYTES_PER_S * 1e6
     floor_attend = rows * kv_heads * TOPK * BS * 2 * D * 2 / HBM_BYTES_PER_S * 1e6
@@ -118,7 +145,8 @@ def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=
     return dict(requests=requests, context=context, dql=dql, heads=heads, kv_heads=kv_heads, sets=num_sets,
                 index_dtype=str(index_dtype).replace("torch.", ""),
                 index_us=result["index"], attend_us=result["attend"], total_us=result["total"],
-                total_single_graph_us=result["total_single"],
+                total_single_graph_us=result["total_single"], attend_shared_us=result.get("attend_shared"),
+                fp8_selection_differs_pct=selection_differs,
                 floor_index_us=floor_index, floor_attend_us=floor_attend,
                 anchor_total_us=sum(anchor) if anchor else None, anchor_index_us=anchor[0] if anchor else None,
                 anchor_attend_us=anchor[1] if anchor else None)
@@ -175,14 +203,16 @@ def _fmt(x, spec=".1f"):
 
 def decode_table(rows) -> str:
     lines = ["| requests | context | q tokens | heads | index µs | attend µs | total µs | % of HBM floor (total) "
-             "| anchor total µs | ratio to anchor | total µs, one op per graph |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| anchor total µs | ratio to anchor | total µs, one op per graph | attend µs, rows share 12/16 "
+             "| fp8 selection ≠ bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         floor = r["floor_index_us"] + r["floor_attend_us"]
         ratio = r["total_us"] / r["anchor_total_us"] if r["anchor_total_us"] else None
         lines.append(f"| {r['requests']} | {r['context'] // 1024}k | {r['dql']} | {r['heads']}/{r['kv_heads']} | "
                      f"{r['index_us']:.1f} | {r['attend_us']:.1f} | {r['total_us']:.1f} | {100 * floor / r['total_us']:.0f} % | "
-                     f"{_fmt(r['anchor_total_us'])} | {_fmt(ratio, '.2f')} | {r['total_single_graph_us']:.1f} |")
+                     f"{_fmt(r['anchor_total_us'])} | {_fmt(ratio, '.2f')} | {r['total_single_graph_us']:.1f} | "
+                     f"{_fmt(r['attend_shared_us'])} | {_fmt(r['fp8_selection_differs_pct'], '.2f')} % |")
     return "\n".join(lines)
 
 
@@ -202,7 +232,11 @@ def prefill_table(rows) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m m3sparse bench", description=__doc__)
     parser.add_argument("--what", choices=["decode", "prefill", "all"], default="all")
-    parser.add_argument("--quick", action="store_true", help="a small subset")
+    parser.add_argument("--quick", action="store_true", help="6 decode cases, under a minute")
+    parser.add_argument("--grid", choices=["anchors", "full"], default="anchors",
+                        help="decode cases: the anchor table's, or requests {1,8,32,128} x context {4k,32k,128k} "
+                             "x query tokens {1,4} (+ 1 request at 1M) for each --heads shape")
+    parser.add_argument("--heads", default="16/1,64/4,8/1", help="head shapes of the full grid")
     parser.add_argument("--json", help="write the raw rows here")
     parser.add_argument("--index-cache-dtype", choices=["bfloat16", "fp8_e4m3"], default="bfloat16",
                         help="dtype of the index-key cache in the decode cases")
@@ -214,9 +248,15 @@ def main(argv=None) -> None:
     print(f"GPU {props.name}, torch {torch.__version__}, triton {triton.__version__}, "
           f"index cache {args.index_cache_dtype}")
     decode_cases = list(DECODE_ANCHORS)
+    if args.grid == "full":
+        shapes = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
+        decode_cases = [(r, c, q, h, kv) for h, kv in shapes for q in (1, 4) for r in (1, 8, 32, 128)
+                        for c in (4096, 32768, 131072)] + [(1, 1 << 20, q, h, kv) for h, kv in shapes for q in (1, 4)]
     prefill_cases = list(PREFILL_ANCHORS)
     if args.quick:
-        decode_cases, prefill_cases = decode_cases[:3], prefill_cases[:1]
+        decode_cases = [(1, 32768, 1, 16, 1), (8, 131072, 1, 16, 1), (32, 131072, 1, 16, 1),
+                        (128, 32768, 1, 16, 1), (32, 131072, 4, 16, 1), (1, 32768, 1, 64, 4)]
+        prefill_cases = []
     results = {"decode": [], "prefill": []}
     if args.what in ("decode", "all"):
         for case in decode_cases:
@@ -228,7 +268,8 @@ def main(argv=None) -> None:
         for case in prefill_cases:
             results["prefill"].append(bench_prefill(*case, reps=5 if case[0] >= 131072 else 10))
             torch.cuda.empty_cache()
-        print(prefill_table(results["prefill"]), flush=True)
+        if results["prefill"]:
+            print(prefill_table(results["prefill"]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
