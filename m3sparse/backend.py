@@ -15,12 +15,12 @@ from typing import Optional, Sequence
 import torch
 
 from . import reference
+from ._validation import FP8_DTYPES
 from .attention import sparse_attn_decode, sparse_attn_prefill
 from .cache import resolve_cache_dtype, write_index_k, write_kv
 from .config import HEAD_SIZE, SparseConfig
 from .indexer import index_topk_decode, index_topk_prefill
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class MiniMaxM3SparseBackend:
@@ -306,7 +306,7 @@ class MiniMaxM3SparseImpl:
         self.scale = self.config.softmax_scale
         self.topk, self.block_size = topk, block_size
         self.kv_cache_dtype = resolve_cache_dtype(kv_cache_dtype)
-        self.is_fp8 = self.kv_cache_dtype in _FP8
+        self.is_fp8 = self.kv_cache_dtype in FP8_DTYPES
         self.fp8_dtype = self.kv_cache_dtype if self.is_fp8 else None
         self.k_scale, self.v_scale = k_scale, v_scale
 
@@ -393,7 +393,7 @@ def dense_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor, md: Mini
             continue
         pages = table[: -(-seq // bs)].long()
         kv = kv_cache[pages].permute(1, 0, 2, 3).reshape(kv_heads, -1, kv_cache.shape[-1])[:, :seq].float()
-        if kv_cache.dtype in _FP8:
+        if kv_cache.dtype in FP8_DTYPES:
             slots = (pages[:, None] * bs + torch.arange(bs, device=pages.device)).flatten()[:seq]
             for part, sc in ((slice(0, HEAD_SIZE), k_scale), (slice(HEAD_SIZE, None), v_scale)):
                 if isinstance(sc, torch.Tensor) and sc.numel() > 1:

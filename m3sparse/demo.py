@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 import m3sparse
+from ._validation import FP8_DTYPES
 from .cache import resolve_cache_dtype
 
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass
@@ -34,7 +34,7 @@ def _sync(device: torch.device) -> None:
 
 def _as_stored(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
     """What a cache of ``dtype`` holds for x, dequantised: the check reads the values the attention reads."""
-    if dtype in FP8:
+    if dtype in FP8_DTYPES:
         fmax = torch.finfo(dtype).max
         return (x.float() / scale).clamp(-fmax, fmax).to(dtype).float() * scale
     return x.to(dtype).float()
@@ -104,7 +104,7 @@ def run_demo(device: str = "cpu", cache_dtype: str = "bfloat16", layout: str = "
     block_table = block_table.to(dev)
     kv_cache = m3sparse.new_kv_cache(num_pages, num_kv_heads, kv_dtype, layout=layout, device=dev)
     index_cache = m3sparse.new_index_cache(num_pages, torch.bfloat16, device=dev)
-    fp8 = kv_dtype in FP8
+    fp8 = kv_dtype in FP8_DTYPES
     k_scale = torch.tensor([0.02], device=dev) if fp8 else None
     v_scale = torch.tensor([0.01], device=dev) if fp8 else None
 

@@ -5,9 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import next_pow2, scale_args
-
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+from .common import FP8_DTYPES, next_pow2, scale_args
 
 
 @triton.jit
@@ -62,7 +60,7 @@ def write_kv(key, value, kv_cache, slot_mapping, k_scale=None, v_scale=None):
     num_pages, _, bs, _ = kv_cache.shape
     if num_tokens == 0:
         return
-    fp8 = kv_cache.dtype in _FP8
+    fp8 = kv_cache.dtype in FP8_DTYPES
     k_mode, ks, ks_sh, ks_val = scale_args(k_scale if fp8 else None, key)
     v_mode, vs, vs_sh, vs_val = scale_args(v_scale if fp8 else None, key)
     _write_kv_kernel[(num_tokens, kv_heads)](
@@ -78,7 +76,7 @@ def write_index_k(index_k, index_cache, slot_mapping):
     num_pages, bs, _ = index_cache.shape
     if num_tokens == 0:
         return
-    fp8 = index_cache.dtype in _FP8
+    fp8 = index_cache.dtype in FP8_DTYPES
     _write_index_k_kernel[(num_tokens,)](
         index_k, index_k.stride(0), slot_mapping, index_cache, index_cache.stride(0), index_cache.stride(1),
         num_pages * bs, BS=bs, D=dim, FP8=fp8, FP8_MAX=float(torch.finfo(index_cache.dtype).max) if fp8 else 1.0,

@@ -6,6 +6,9 @@ import os
 import torch
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -20,7 +23,7 @@ def dot_in_fp32(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """
     if q_dtype == torch.float32 or interpreting():
         return True
-    return cache_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) and cache_dtype != q_dtype
+    return cache_dtype not in FP8_DTYPES and cache_dtype != q_dtype
 
 
 def next_pow2(n: int) -> int:

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_in_fp32, next_pow2, scale_args
+from .common import FP8_DTYPES, dot_in_fp32, next_pow2, scale_args
 from .rows import prefill_row_map, row_request_position
 
 
@@ -132,7 +132,7 @@ def _sparse_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos,
         return out
     if scale is None:
         scale = dim ** -0.5
-    fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    fp8 = kv_cache.dtype in FP8_DTYPES
     k_mode, ks, ks_h, k_val = scale_args(k_scale if fp8 else None, q)
     v_mode, vs, vs_h, v_val = scale_args(v_scale if fp8 else None, q)
     splits = max(1, min(splits, topk))
