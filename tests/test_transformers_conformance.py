@@ -92,3 +92,24 @@ def test_disable_restores_transformers_path(models):
     assert all("forward" not in vars(twin.model.layers[i].self_attn) for i in SPARSE_LAYERS)
     with pytest.raises(ValueError, match="no sparse attention layer"):
         enable_m3sparse(torch.nn.Linear(2, 2))
+
+
+def test_kernel_path_matches_transformers(interpreter):
+    """The same integration through the Triton kernels (interpreter): block 16, top-4, so a short prompt drops
+    blocks."""
+    cfg = transformers.MiniMaxM3VLTextConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=128, index_n_heads=2, index_head_dim=128, index_block_size=16,
+        index_topk_blocks=4, index_local_blocks=1, layer_types=["full_attention", "minimax_m3_sparse"],
+        mlp_layer_types=["dense"] * 2, dense_intermediate_size=128, max_position_embeddings=1024, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(3)
+    ref = transformers.MiniMaxM3VLForCausalLM(cfg).eval()
+    ref.config._attn_implementation = "eager"
+    ours = enable_m3sparse(copy.deepcopy(ref))
+    prompt = torch.randint(3, 256, (1, 100), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert rel(ours(prompt).logits, ref(prompt).logits) <= 1e-5
+    assert (last_selection(ours)[1][..., -1] >= 0).any(), "blocks must be dropped"
+    want = ref.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert torch.equal(ours.generate(prompt, max_new_tokens=4, do_sample=False), want)
