@@ -105,10 +105,15 @@ class Batch:
 
 
 def _stored(x: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tensor:
-    """What a cache of ``dtype`` holds for x, read back in fp64 (the tests' own quantiser)."""
+    """What a cache of ``dtype`` holds for x, read back in fp64 (the tests' own quantiser).
+
+    x / scale is an fp32 division, as the cache writers compute it: in fp64 it rounds differently near fp8
+    rounding boundaries, which moves an element by a whole fp8 step.
+    """
     if dtype in FP8:
         fmax = torch.finfo(dtype).max
-        return ((x.double() / scale).clamp(-fmax, fmax).to(dtype).double() * scale)
+        scaled = x.float() / torch.as_tensor(scale, dtype=torch.float32)
+        return scaled.clamp(-fmax, fmax).to(dtype).double() * torch.as_tensor(scale, dtype=torch.float32).double()
     return x.to(dtype).double()
 
 
