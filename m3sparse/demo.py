@@ -11,7 +11,6 @@ from ._validation import FP8_DTYPES
 from .cache import resolve_cache_dtype
 
 
-
 @dataclass
 class DemoRequest:
     kind: str

@@ -1,4 +1,5 @@
-"""Triton kernels, one family per file. Same signatures as ``m3sparse.reference``; no argument checking."""
+"""Triton kernels, one family per file. The signatures of ``m3sparse.reference``, every argument given (the
+custom ops in ``m3sparse._ops`` pass the output buffer and the softmax scale); no argument checking."""
 from .cache_write import write_index_k, write_kv
 from .index_topk import index_topk_decode, index_topk_prefill
 from .sparse_attn import sparse_attn_decode, sparse_attn_prefill

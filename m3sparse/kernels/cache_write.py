@@ -55,7 +55,7 @@ def _write_index_k_kernel(x_ptr, x_st, slot_ptr, c_ptr, c_sp, c_ss, num_slots, B
         tl.store(c_ptr + (slot // BS) * c_sp + (slot % BS) * c_ss + d, x.to(c_ptr.dtype.element_ty))
 
 
-def write_kv(key, value, kv_cache, slot_mapping, k_scale=None, v_scale=None):
+def write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale):
     num_tokens, kv_heads, dim = key.shape
     num_pages, _, bs, _ = kv_cache.shape
     if num_tokens == 0:

@@ -104,8 +104,6 @@ def _index_topk(index_q, index_cache, block_table, seq_lens, cu_seqlens_q, conte
     num_pages, bs, _ = index_cache.shape
     batch, width = block_table.shape
     is_decode = decode_query_len > 0
-    if out is None:
-        out = torch.empty((kv_heads, num_tokens, topk), dtype=torch.int32, device=index_q.device)
     if num_tokens == 0:
         return out
     scores = torch.empty((kv_heads, num_tokens, max(width, 1)), dtype=torch.float32, device=index_q.device)
@@ -135,14 +133,14 @@ def _index_topk(index_q, index_cache, block_table, seq_lens, cu_seqlens_q, conte
 
 
 def index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
-                       topk=16, local_blocks=1, init_blocks=0, out=None):
+                       topk, local_blocks, init_blocks, out):
     row_req, row_pos = prefill_row_map(cu_seqlens_q, context_lens, index_q.shape[0])
     return _index_topk(index_q, index_cache, block_table, seq_lens, cu_seqlens_q, context_lens, row_req, row_pos,
                        0, max_query_len, topk, local_blocks, init_blocks, out)
 
 
 def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_len,
-                      topk=16, local_blocks=1, init_blocks=0, out=None):
+                      topk, local_blocks, init_blocks, out):
     # cu_seqlens_q / context_lens / row maps are unused by decode rows: pass seq_lens as a typed placeholder.
     return _index_topk(index_q, index_cache, block_table, seq_lens, seq_lens, seq_lens, seq_lens, seq_lens,
                        decode_query_len, decode_query_len, topk, local_blocks, init_blocks, out)

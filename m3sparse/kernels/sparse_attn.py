@@ -126,12 +126,8 @@ def _sparse_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos,
     num_pages, kv_heads, bs, _ = kv_cache.shape
     group = num_heads // kv_heads
     topk = topk_ids.shape[2]
-    if out is None:
-        out = torch.empty_like(q)
     if num_tokens == 0:
         return out
-    if scale is None:
-        scale = dim ** -0.5
     fp8 = kv_cache.dtype in FP8_DTYPES
     k_mode, ks, ks_h, k_val = scale_args(k_scale if fp8 else None, q)
     v_mode, vs, vs_h, v_val = scale_args(v_scale if fp8 else None, q)
@@ -158,14 +154,14 @@ def _sparse_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos,
 
 
 def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
-                        scale=None, out=None, k_scale=None, v_scale=None):
+                        scale, out, k_scale, v_scale):
     row_req, row_pos = prefill_row_map(cu_seqlens_q, context_lens, q.shape[0])
     return _sparse_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, 0, scale, out,
                         k_scale, v_scale, splits=1)
 
 
-def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, scale=None, out=None,
-                       k_scale=None, v_scale=None):
+def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, scale, out, k_scale,
+                       v_scale):
     # Few rows cannot fill the GPU: split each row's blocks across programs and merge exactly. Targets
     # measured on the H200 (132 SMs): two programs per SM for tiny batches, one for larger ones.
     num_programs = q.shape[0] * kv_cache.shape[1]
