@@ -152,21 +152,82 @@ def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=
                 anchor_attend_us=anchor[1] if anchor else None)
 
 
-def bench_prefill(tokens, prefix, heads, kv_heads, reps=10, dense=True):
+PATTERNS = ("random", "locality", "overlap")
+PREFILL_SHAPES = [  # (tokens per request, cached prefix, heads, kv heads, requests)
+    (8192, 0, 16, 1, 1), (32768, 0, 16, 1, 1), (131072, 0, 16, 1, 1), (8192, 122880, 16, 1, 1),
+    (8192, 0, 16, 1, 4), (8192, 0, 64, 4, 1), (32768, 0, 64, 4, 1)]
+
+
+def _index_inputs(pattern: str, seq: int, first: torch.Tensor, kv_heads: int, gen) -> tuple:
+    """Index keys [seq, D] and queries [len(first), Hkv, D] whose real top-k selections follow ``pattern``.
+
+    random: iid normal keys and queries. locality: scores fall with distance (a sum of cosines of the
+    position difference over slow frequencies) plus six globally hot blocks. overlap: every query ranks the
+    visible blocks by the same per-block hotness, so neighbours pick nearly the same blocks.
+    """
+    dev = first.device
+    if pattern == "random":
+        return (torch.randn(seq, D, device=dev, generator=gen),
+                torch.randn(first.numel(), kv_heads, D, device=dev, generator=gen))
+    blocks = -(-seq // BS)
+    hot_dir = torch.zeros(D, device=dev)
+    hot_dir[D - 1] = 1.0
+    noise_k = 0.3 * torch.randn(seq, D, device=dev, generator=gen)
+    noise_q = 0.3 * torch.randn(first.numel(), kv_heads, D, device=dev, generator=gen)
+    if pattern == "overlap":
+        hotness = torch.rand(blocks, device=dev, generator=gen)
+        keys = 8.0 * hotness.repeat_interleave(BS)[:seq, None] * hot_dir + noise_k / 8
+        return keys, hot_dir + noise_q / 3
+    half = (D - 2) // 2
+    omega = 2 * math.pi / torch.logspace(math.log10(4 * BS * 64), math.log10(BS * 8192), half, device=dev)
+    pos_k = torch.arange(seq, device=dev, dtype=torch.float32)[:, None] * omega
+    pos_q = first.float()[:, None] * omega
+    hot = torch.zeros(blocks, device=dev)
+    hot[torch.randperm(blocks, device=dev, generator=gen)[:6]] = 1.0
+    keys = torch.cat([pos_k.cos(), pos_k.sin(), torch.zeros(seq, D - 2 * half, device=dev)], dim=1)
+    keys = keys / math.sqrt(half) + 1.2 * hot.repeat_interleave(BS)[:seq, None] * hot_dir + noise_k / 8
+    queries = torch.cat([pos_q.cos(), pos_q.sin(), torch.zeros(first.numel(), D - 2 * half, device=dev)], dim=1)
+    queries = 4.0 * (queries / math.sqrt(half) + hot_dir)
+    return keys, queries[:, None, :].expand(-1, kv_heads, -1) + noise_q / 3
+
+
+def distinct_blocks_per_tile(ids: torch.Tensor, cu: list[int], tile: int = 64) -> float:
+    """Mean number of distinct valid block ids per tile of ``tile`` consecutive queries of one request."""
+    counts = []
+    for g in range(ids.shape[0]):
+        for b in range(len(cu) - 1):
+            rows = ids[g, cu[b]:cu[b + 1]]
+            for t0 in range(0, rows.shape[0], tile):
+                chunk = rows[t0:t0 + tile]
+                counts.append(chunk[chunk >= 0].unique().numel())
+    return sum(counts) / max(1, len(counts))
+
+
+def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1, reps=10, dense=True):
+    """``requests`` sequences of ``tokens`` new tokens each on ``prefix`` cached ones, in one varlen batch."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     seq = prefix + tokens
-    pages = -(-seq // BS)
+    pages_per = -(-seq // BS)
+    pages = requests * pages_per
     kv = m3sparse.new_kv_cache(pages, kv_heads, torch.bfloat16, device="cuda")
     kv.normal_(generator=gen)
+    table = torch.randperm(pages, device="cuda", generator=gen).int().view(requests, pages_per)
     ic = m3sparse.new_index_cache(pages, torch.bfloat16, device="cuda")
-    ic.normal_(generator=gen)
-    table = torch.randperm(pages, device="cuda", generator=gen).int()[None]
-    q = torch.randn(tokens, heads, D, device="cuda", generator=gen).bfloat16()
-    iq = torch.randn(tokens, kv_heads, D, device="cuda", generator=gen).bfloat16()
-    meta = (table, torch.tensor([0, tokens], dtype=torch.int32, device="cuda"),
-            torch.tensor([seq], dtype=torch.int32, device="cuda"),
-            torch.tensor([prefix], dtype=torch.int32, device="cuda"), tokens)
-    ids = torch.empty(kv_heads, tokens, TOPK, dtype=torch.int32, device="cuda")
+    positions = torch.arange(prefix, seq, device="cuda")
+    iq = []
+    for b in range(requests):
+        keys, queries = _index_inputs(pattern, seq, positions, kv_heads, gen)
+        padded = torch.zeros(pages_per * BS, D, device="cuda")
+        padded[:seq] = keys
+        ic[table[b].long()] = padded.view(pages_per, BS, D).bfloat16()
+        iq.append(queries)
+    iq = torch.cat(iq).bfloat16().contiguous()
+    q = torch.randn(requests * tokens, heads, D, device="cuda", generator=gen).bfloat16()
+    cu = [b * tokens for b in range(requests + 1)]
+    meta = (table, torch.tensor(cu, dtype=torch.int32, device="cuda"),
+            torch.full((requests,), seq, dtype=torch.int32, device="cuda"),
+            torch.full((requests,), prefix, dtype=torch.int32, device="cuda"), tokens)
+    ids = torch.empty(kv_heads, requests * tokens, TOPK, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     index = lambda: m3sparse.index_topk_prefill(iq, ic, *meta, out=ids)  # noqa: E731
     attend = lambda: m3sparse.sparse_attn_prefill(q, kv, ids, *meta, out=out)  # noqa: E731
@@ -175,23 +236,23 @@ def bench_prefill(tokens, prefix, heads, kv_heads, reps=10, dense=True):
     torch.cuda.synchronize()
     t_index = _events_median(index, reps) / 1e3
     t_attend = _events_median(attend, reps) / 1e3
-    pos = torch.arange(prefix, seq, device="cuda", dtype=torch.float64)
-    index_flops = 2 * kv_heads * D * (pos + 1).sum().item()
+    pos = positions.double()
+    index_flops = requests * 2 * kv_heads * D * (pos + 1).sum().item()
     keys = torch.clamp(pos + 1, max=(TOPK - 1) * BS + pos.remainder(BS) + 1)
-    attend_flops = 4 * heads * D * keys.sum().item()
+    attend_flops = requests * 4 * heads * D * keys.sum().item()
     t_dense = None
-    if dense:
+    if dense and prefix == 0:
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        qd = q.transpose(0, 1)[None]
+        qd = q[:tokens].transpose(0, 1)[None]
         kd = torch.randn(1, heads, seq, D, device="cuda", generator=gen).bfloat16()
         vd = torch.randn_like(kd)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            if prefix == 0:
-                fn = lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)  # noqa
-                fn()
-                t_dense = _events_median(fn, max(3, reps // 2)) / 1e3
-    anchor = PREFILL_ANCHORS.get((tokens, prefix, heads, kv_heads))
-    return dict(tokens=tokens, prefix=prefix, heads=heads, kv_heads=kv_heads, index_ms=t_index, attend_ms=t_attend,
+            fn = lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)  # noqa
+            fn()
+            t_dense = requests * _events_median(fn, max(3, reps // 2)) / 1e3
+    anchor = PREFILL_ANCHORS.get((tokens, prefix, heads, kv_heads)) if requests == 1 else None
+    return dict(tokens=tokens, prefix=prefix, heads=heads, kv_heads=kv_heads, requests=requests, pattern=pattern,
+                distinct_per_64=distinct_blocks_per_tile(ids.cpu(), cu), index_ms=t_index, attend_ms=t_attend,
                 index_tflops=index_flops / t_index / 1e9, attend_tflops=attend_flops / t_attend / 1e9,
                 dense_ms=t_dense, anchor_index_ms=anchor[0] if anchor else None,
                 anchor_attend_ms=anchor[1] if anchor else None, anchor_dense_ms=anchor[2] if anchor else None)
@@ -217,15 +278,18 @@ def decode_table(rows) -> str:
 
 
 def prefill_table(rows) -> str:
-    lines = ["| tokens | prefix | heads | index ms (TFLOP/s) | attend ms (useful TFLOP/s) | total ms | anchor total ms "
-             "| ratio to anchor | dense flash ms |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| tokens | prefix | heads | pattern | distinct blocks / 64 queries | index ms (TFLOP/s) "
+             "| attend ms (useful TFLOP/s) | total ms | anchor total ms | ratio to anchor | dense flash ms "
+             "| dense / sparse |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         total = r["index_ms"] + r["attend_ms"]
         anchor = (r["anchor_index_ms"] + r["anchor_attend_ms"]) if r["anchor_index_ms"] else None
-        lines.append(f"| {r['tokens'] // 1024}k | {r['prefix'] // 1024}k | {r['heads']}/{r['kv_heads']} | "
+        tokens = f"{r['requests']} × {r['tokens'] // 1024}k" if r["requests"] > 1 else f"{r['tokens'] // 1024}k"
+        lines.append(f"| {tokens} | {r['prefix'] // 1024}k | {r['heads']}/{r['kv_heads']} | {r['pattern']} | "
+                     f"{r['distinct_per_64']:.1f} | "
                      f"{r['index_ms']:.3f} ({r['index_tflops']:.0f}) | {r['attend_ms']:.3f} ({r['attend_tflops']:.0f}) | "
                      f"{total:.3f} | {_fmt(anchor, '.2f')} | {_fmt(total / anchor if anchor else None, '.2f')} | "
-                     f"{_fmt(r['dense_ms'], '.3f')} |")
+                     f"{_fmt(r['dense_ms'], '.3f')} | {_fmt(r['dense_ms'] / total if r['dense_ms'] else None)} |")
     return "\n".join(lines)
 
 
@@ -252,7 +316,7 @@ def main(argv=None) -> None:
         shapes = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
         decode_cases = [(r, c, q, h, kv) for h, kv in shapes for q in (1, 4) for r in (1, 8, 32, 128)
                         for c in (4096, 32768, 131072)] + [(1, 1 << 20, q, h, kv) for h, kv in shapes for q in (1, 4)]
-    prefill_cases = list(PREFILL_ANCHORS)
+    prefill_cases = [(t, p, h, kv, pattern, r) for (t, p, h, kv, r) in PREFILL_SHAPES for pattern in PATTERNS]
     if args.quick:
         decode_cases = [(1, 32768, 1, 16, 1), (8, 131072, 1, 16, 1), (32, 131072, 1, 16, 1),
                         (128, 32768, 1, 16, 1), (32, 131072, 4, 16, 1), (1, 32768, 1, 64, 4)]
@@ -266,7 +330,8 @@ def main(argv=None) -> None:
         print(decode_table(results["decode"]), flush=True)
     if args.what in ("prefill", "all"):
         for case in prefill_cases:
-            results["prefill"].append(bench_prefill(*case, reps=5 if case[0] >= 131072 else 10))
+            results["prefill"].append(bench_prefill(*case, reps=5 if case[0] >= 131072 else 10,
+                                                    dense=case[4] == PATTERNS[0]))
             torch.cuda.empty_cache()
         if results["prefill"]:
             print(prefill_table(results["prefill"]), flush=True)

@@ -166,7 +166,7 @@ def test_speculative_rows_straddling_block_edge():
                 seq_lens=torch.tensor([18, 50, 0], dtype=torch.int32),
                 context_lens=torch.tensor([14, 46, 0], dtype=torch.int32), max_query_len=4)
     pre = m3sparse.index_topk_prefill(batch.index_q, batch.index_cache, batch.index_block_table, **meta, topk=2)
-    assert torch.equal(pre, ids)
+    assert torch.equal(pre.sort(-1).values, ids.sort(-1).values)  # the same sets (order carries nothing)
     out_pre = m3sparse.sparse_attn_prefill(batch.q, batch.kv_cache, ids, batch.block_table, **meta,
                                            k_scale=batch.k_scale, v_scale=batch.v_scale)
     # The decode kernel splits small batches across programs and merges: equal up to fp32 rounding.

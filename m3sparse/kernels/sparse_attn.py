@@ -1,8 +1,10 @@
-"""Sparse attention over the selected blocks of a paged KV cache.
+"""Sparse attention over the selected blocks of a paged KV cache: the per-row kernel and the launchers.
 
-One program per (row, KV head, split): the GQA group's query heads form the M dimension of the dots, the
-split's share of the row's selected blocks is walked with an online softmax in fp32. With more than one
-split, ``_merge_splits_kernel`` combines the partial (max, sum, accumulator) triples exactly.
+Per-row kernel: one program per (row, KV head, split); the GQA group's query heads form the M dimension of the
+dots, the split's share of the row's selected blocks is walked with an online softmax in fp32. With more than
+one split, ``_merge_splits_kernel`` combines the partial (max, sum, accumulator) triples exactly.
+Prefill and speculative decode also use the tile kernels of ``sparse_attn_tiles`` (a block loaded once for all
+the rows of a tile that chose it); prefill hands each tile to one kernel or the other by its union size.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import triton.language as tl
 
 from .common import FP8_DTYPES, dot_in_fp32, next_pow2, scale_args
 from .rows import prefill_row_map, row_request_position
+from .sparse_attn_tiles import _block_union_kernel, _sparse_attn_tiles_kernel
 
 
 @triton.jit
@@ -19,86 +22,95 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
                         bt_ptr, bt_sb, width, num_pages, seq_ptr, row_req_ptr, row_pos_ptr, DQL,
                         ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor,
                         o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, SPLITS,
-                        IS_DECODE: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BS: tl.constexpr,
-                        D: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+                        count_ptr, cu_ptr, NUM_TILES, MAX_UNION,
+                        IS_DECODE: tl.constexpr, SKIP_TILED: tl.constexpr, TQ: tl.constexpr, G: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
                         K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
                         WRITE_OUT: tl.constexpr):
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
     b, p = row_request_position(t, seq_ptr, row_req_ptr, row_pos_ptr, DQL, IS_DECODE)
-    c = tl.where(p >= 0, p // BS, -1)
+    skip = False
+    if SKIP_TILED:
+        # Rows of a tile whose block union is small are computed by the tile kernel.
+        tile = (t - tl.load(cu_ptr + b)) // TQ
+        tile_id = (b * NUM_TILES + tile) * tl.num_programs(1) + g
+        live = (p >= 0) & (tile < NUM_TILES)
+        skip = tl.load(count_ptr + tile_id, mask=live, other=MAX_UNION + 1) <= MAX_UNION
+    if not skip:
+        c = tl.where(p >= 0, p // BS, -1)
 
-    # The row's ids: keep each in-range id once (the first occurrence); never dereference the rest.
-    kk = tl.arange(0, TOPK_PAD)
-    ids = tl.load(ids_ptr + g * id_sh + t * id_st + kk * id_sk, mask=kk < TOPK, other=-1)
-    earlier = kk[None, :] < kk[:, None]
-    dup = tl.max((earlier & (ids[None, :] == ids[:, None])).to(tl.int32), axis=1) > 0
-    valid = (ids >= 0) & (ids <= c) & (ids < width) & ~dup
+        # The row's ids: keep each in-range id once (the first occurrence); never dereference the rest.
+        kk = tl.arange(0, TOPK_PAD)
+        ids = tl.load(ids_ptr + g * id_sh + t * id_st + kk * id_sk, mask=kk < TOPK, other=-1)
+        earlier = kk[None, :] < kk[:, None]
+        dup = tl.max((earlier & (ids[None, :] == ids[:, None])).to(tl.int32), axis=1) > 0
+        valid = (ids >= 0) & (ids <= c) & (ids < width) & ~dup
 
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, D)
-    j = tl.arange(0, BS)
-    q = tl.load(q_ptr + t * q_st + (g * G + h)[:, None] * q_sh + d[None, :], mask=(h < G)[:, None], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
-    k_mult = scale
-    v_mult = v_factor
-    if K_SCALE == 1:
-        k_mult = k_mult * tl.load(ks_ptr)
-    if V_SCALE == 1:
-        v_mult = v_mult * tl.load(vs_ptr)
-    per_split = tl.cdiv(TOPK, SPLITS)
-    # No branch in the loop body: ignored ids become fully masked blocks (nothing is loaded for them), so the
-    # compiler can keep the next block's loads in flight while this one is reduced.
-    for i in range(split * per_split, tl.minimum(TOPK, (split + 1) * per_split)):
-        pick = kk == i
-        blk = tl.sum(tl.where(pick, ids, 0), axis=0)
-        kept = tl.sum((pick & valid).to(tl.int32), axis=0) > 0
-        page = tl.load(bt_ptr + b * bt_sb + blk, mask=kept, other=-1)
-        use = (page >= 0) & (page < num_pages)
-        page = tl.where(use, page, 0).to(tl.int64)
-        # (j < limit) rather than "& use": the interpreter rejects a scalar bool broadcast into a mask
-        seen = ((blk * BS + j) <= p) & (j < tl.where(use, BS, 0))
-        slot = page * BS + j
-        base = kv_ptr + page * kv_sp + g * kv_sh + j[:, None] * kv_ss + d[None, :]
-        k = tl.load(base, mask=seen[:, None], other=0.0)
-        v = tl.load(base + D, mask=seen[:, None], other=0.0)
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, D)
+        j = tl.arange(0, BS)
+        q = tl.load(q_ptr + t * q_st + (g * G + h)[:, None] * q_sh + d[None, :], mask=(h < G)[:, None], other=0.0)
         if DOT_F32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, D], tl.float32)
+        k_mult = scale
+        v_mult = v_factor
+        if K_SCALE == 1:
+            k_mult = k_mult * tl.load(ks_ptr)
+        if V_SCALE == 1:
+            v_mult = v_mult * tl.load(vs_ptr)
+        per_split = tl.cdiv(TOPK, SPLITS)
+        # No branch in the loop body: ignored ids become fully masked blocks (nothing is loaded for them), so the
+        # compiler can keep the next block's loads in flight while this one is reduced.
+        for i in range(split * per_split, tl.minimum(TOPK, (split + 1) * per_split)):
+            pick = kk == i
+            blk = tl.sum(tl.where(pick, ids, 0), axis=0)
+            kept = tl.sum((pick & valid).to(tl.int32), axis=0) > 0
+            page = tl.load(bt_ptr + b * bt_sb + blk, mask=kept, other=-1)
+            use = (page >= 0) & (page < num_pages)
+            page = tl.where(use, page, 0).to(tl.int64)
+            # (j < limit) rather than "& use": the interpreter rejects a scalar bool broadcast into a mask
+            seen = ((blk * BS + j) <= p) & (j < tl.where(use, BS, 0))
+            slot = page * BS + j
+            base = kv_ptr + page * kv_sp + g * kv_sh + j[:, None] * kv_ss + d[None, :]
+            k = tl.load(base, mask=seen[:, None], other=0.0)
+            v = tl.load(base + D, mask=seen[:, None], other=0.0)
+            if DOT_F32:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            s = s * k_mult
+            if K_SCALE == 2:
+                s = s * tl.load(ks_ptr + g * ks_sh + slot, mask=seen, other=0.0)[None, :]
+            s = tl.where(seen[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # no key seen yet: keep exp() finite
+            alpha = tl.exp(m_i - m_ref)
+            w = tl.exp(s - m_ref[:, None])
+            l_i = l_i * alpha + tl.sum(w, axis=1)
+            if V_SCALE == 2:
+                w = w * tl.load(vs_ptr + g * vs_sh + slot, mask=seen, other=0.0)[None, :]
+            if DOT_F32:
+                pv = tl.dot(w, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(w.to(q.dtype), v.to(q.dtype))
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        acc = acc * v_mult
+        heads = g * G + h
+        if WRITE_OUT:
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(o_ptr + t * o_st + heads[:, None] * o_sh + d[None, :], o.to(o_ptr.dtype.element_ty),
+                     mask=(h < G)[:, None])
         else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        s = s * k_mult
-        if K_SCALE == 2:
-            s = s * tl.load(ks_ptr + g * ks_sh + slot, mask=seen, other=0.0)[None, :]
-        s = tl.where(seen[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # no key seen yet: keep exp() finite
-        alpha = tl.exp(m_i - m_ref)
-        w = tl.exp(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(w, axis=1)
-        if V_SCALE == 2:
-            w = w * tl.load(vs_ptr + g * vs_sh + slot, mask=seen, other=0.0)[None, :]
-        if DOT_F32:
-            pv = tl.dot(w, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(w.to(q.dtype), v.to(q.dtype))
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    acc = acc * v_mult
-    heads = g * G + h
-    if WRITE_OUT:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(o_ptr + t * o_st + heads[:, None] * o_sh + d[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=(h < G)[:, None])
-    else:
-        part = (t * SPLITS + split) * (G * tl.num_programs(1)) + heads  # partials [T, SPLITS, H]
-        tl.store(m_ptr + part, m_i, mask=h < G)
-        tl.store(l_ptr + part, l_i, mask=h < G)
-        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=(h < G)[:, None])
+            part = (t * SPLITS + split) * (G * tl.num_programs(1)) + heads  # partials [T, SPLITS, H]
+            tl.store(m_ptr + part, m_i, mask=h < G)
+            tl.store(l_ptr + part, l_i, mask=h < G)
+            tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=(h < G)[:, None])
 
 
 @triton.jit
@@ -120,52 +132,138 @@ def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, H, SPLITS: tl
     tl.store(o_ptr + t * o_st + h * o_sh + d, o.to(o_ptr.dtype.element_ty))
 
 
-def _sparse_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, decode_query_len, scale,
-                 out, k_scale, v_scale, splits):
+# Tile kernel launch: M = 64 rows (4 tokens x 16 heads), 64-key chunks, 3 stages (H200 sweep: docs/perf-notes.md)
+TILE_M, TILE_WARPS, TILE_STAGES, TILE_BLOCK_N = 64, 4, 3, 64
+
+
+class _Scales:
+    """The fp8 scale arguments of one launch, as the kernels take them."""
+
+    def __init__(self, q, kv_cache, scale, k_scale, v_scale):
+        fp8 = kv_cache.dtype in FP8_DTYPES
+        self.k_mode, self.ks, self.ks_h, k_val = scale_args(k_scale if fp8 else None, q)
+        self.v_mode, self.vs, self.vs_h, self.v_val = scale_args(v_scale if fp8 else None, q)
+        self.k_mult = float(scale) * k_val
+
+
+def _partials(num_tokens, splits, num_heads, dim, device):
+    m = torch.empty((num_tokens, splits, num_heads), dtype=torch.float32, device=device)
+    return m, torch.empty_like(m), torch.empty((num_tokens, splits, num_heads, dim), dtype=torch.float32,
+                                               device=device)
+
+
+def _merge(m, l, acc, out):
+    num_tokens, splits, num_heads = m.shape
+    _merge_splits_kernel[(num_tokens, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_heads,
+                                                  SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=out.shape[2])
+
+
+def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, decode_query_len, sc, out, splits,
+              tiled=None):
+    """The per-row kernel; ``tiled`` = (counts, cu_seqlens_q, tiles, rows per tile, max union) skips the rows
+    of tiles that the tile kernel computes."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
-    group = num_heads // kv_heads
     topk = topk_ids.shape[2]
-    if num_tokens == 0:
-        return out
-    fp8 = kv_cache.dtype in FP8_DTYPES
-    k_mode, ks, ks_h, k_val = scale_args(k_scale if fp8 else None, q)
-    v_mode, vs, vs_h, v_val = scale_args(v_scale if fp8 else None, q)
     splits = max(1, min(splits, topk))
-    if splits > 1:
-        m = torch.empty((num_tokens, splits, num_heads), dtype=torch.float32, device=q.device)
-        l = torch.empty_like(m)
-        acc = torch.empty((num_tokens, splits, num_heads, dim), dtype=torch.float32, device=q.device)
-    else:
-        m = l = acc = out
+    m, l, acc = _partials(num_tokens, splits, num_heads, dim, q.device) if splits > 1 else (out, out, out)
+    counts, cu, tiles, tq, max_union = tiled if tiled is not None else (seq_lens, seq_lens, 0, 1, 0)
     _sparse_attn_kernel[(num_tokens, kv_heads, splits)](
         q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_ids.stride(2),
         block_table, block_table.stride(0), block_table.shape[1], num_pages, seq_lens, row_req, row_pos,
-        decode_query_len, ks, ks_h, vs, vs_h, float(scale) * k_val, v_val,
-        out, out.stride(0), out.stride(1), m, l, acc, splits,
-        IS_DECODE=decode_query_len > 0, G=group, BLOCK_H=max(16, next_pow2(group)), BS=bs, D=dim, TOPK=topk,
-        TOPK_PAD=max(2, next_pow2(topk)), K_SCALE=k_mode, V_SCALE=v_mode, DOT_F32=dot_in_fp32(q.dtype, kv_cache.dtype),
+        decode_query_len, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val,
+        out, out.stride(0), out.stride(1), m, l, acc, splits, counts, cu, tiles, max_union,
+        IS_DECODE=decode_query_len > 0, SKIP_TILED=tiled is not None, TQ=tq, G=num_heads // kv_heads,
+        BLOCK_H=max(16, next_pow2(num_heads // kv_heads)), BS=bs, D=dim, TOPK=topk, TOPK_PAD=max(2, next_pow2(topk)),
+        K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_in_fp32(q.dtype, kv_cache.dtype),
         WRITE_OUT=splits == 1, num_warps=4, num_stages=2)
     if splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_heads,
-                                                      SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim)
+        _merge(m, l, acc, out)
     return out
 
 
+def tile_rows(group: int, topk: int, dot_f32: bool) -> int:
+    """Rows per tile of the tile kernels: M = rows x group near TILE_M (half for fp32 dots, whose operands
+    need twice the shared memory), the union's pairwise dedup <= 256 ids."""
+    gp, topk_pad = next_pow2(group), max(2, next_pow2(topk))
+    tq = max(1, min((TILE_M // 2 if dot_f32 else TILE_M) // gp, 256 // topk_pad, 64))  # <= 64: bits of an int64
+    return max(tq, 16 // gp)
+
+
+def _tile_attn(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_lens, context_lens, batch, rows, tq,
+               decode_query_len, sc, out, max_union, splits):
+    """Block unions per (tile, KV head), then the tile kernel over tiles whose union <= max_union. Returns
+    the union sizes [batch, tiles, Hkv]."""
+    num_tokens, num_heads, dim = q.shape
+    num_pages, kv_heads, bs, _ = kv_cache.shape
+    topk = topk_ids.shape[2]
+    topk_pad = max(2, next_pow2(topk))
+    tiles = triton.cdiv(rows, tq)
+    group = num_heads // kv_heads
+    union = torch.empty((batch, tiles, kv_heads, 3, tq * topk_pad), dtype=torch.int64, device=q.device)
+    counts = torch.empty((batch, tiles, kv_heads), dtype=torch.int32, device=q.device)
+    is_decode = decode_query_len > 0
+    _block_union_kernel[(tiles, batch, kv_heads)](
+        topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_ids.stride(2), block_table, block_table.stride(0),
+        block_table.shape[1], num_pages, union, counts,
+        cu_seqlens_q, context_lens, seq_lens, decode_query_len, tiles, kv_heads, IS_DECODE=is_decode, TQ=tq,
+        TOPK=topk, TOPK_PAD=topk_pad, BS=bs, num_warps=4)
+    m, l, acc = _partials(num_tokens, splits, num_heads, dim, q.device) if splits > 1 else (out, out, out)
+    gp = next_pow2(group)
+    dot_f32 = dot_in_fp32(q.dtype, kv_cache.dtype)
+    _sparse_attn_tiles_kernel[(tiles, batch, kv_heads * splits)](
+        q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        union, counts, cu_seqlens_q, context_lens, seq_lens, decode_query_len, tiles, kv_heads,
+        max_union, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, out, out.stride(0), out.stride(1),
+        m, l, acc, splits, IS_DECODE=is_decode, G=group, GP=gp, TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N), D=dim,
+        TOPK_PAD=topk_pad,
+        K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32, WRITE_OUT=splits == 1,
+        num_warps=TILE_WARPS, num_stages=1 if dot_f32 else TILE_STAGES)
+    if splits > 1:
+        _merge(m, l, acc, out)
+    return counts
+
+
 def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
-                        scale, out, k_scale, v_scale):
+                        scale, out, k_scale, v_scale, max_union=None):
+    if q.shape[0] == 0:
+        return out
+    sc = _Scales(q, kv_cache, scale, k_scale, v_scale)
     row_req, row_pos = prefill_row_map(cu_seqlens_q, context_lens, q.shape[0])
-    return _sparse_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, 0, scale, out,
-                        k_scale, v_scale, splits=1)
+    topk = topk_ids.shape[2]
+    tq = tile_rows(q.shape[1] // kv_cache.shape[1], topk, dot_in_fp32(q.dtype, kv_cache.dtype))
+    if max_union is None:
+        # Break-even measured on the H200 (docs/perf-notes.md): a tile of 4 rows x 16 ids is cheaper through
+        # the tile kernel up to ~44 distinct blocks.
+        max_union = tq * topk * 11 // 16
+    batch = block_table.shape[0]
+    counts = _tile_attn(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_lens, context_lens, batch,
+                        max_query_len, tq, 0, sc, out, max_union, splits=1) if batch and max_query_len else None
+    tiled = (counts, cu_seqlens_q, counts.shape[1], tq, max_union) if counts is not None else None
+    return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, 0, sc, out, 1, tiled)
 
 
 def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, scale, out, k_scale,
                        v_scale):
-    # Few rows cannot fill the GPU: split each row's blocks across programs and merge exactly. Targets
-    # measured on the H200 (132 SMs): two programs per SM for tiny batches, one for larger ones.
-    num_programs = q.shape[0] * kv_cache.shape[1]
+    if q.shape[0] == 0:
+        return out
+    sc = _Scales(q, kv_cache, scale, k_scale, v_scale)
+    # Few rows cannot fill the GPU: split each row's (or request's) blocks across programs and merge exactly.
+    # Targets measured on the H200 (132 SMs): two programs per SM for tiny batches, one for larger ones.
+    kv_heads = kv_cache.shape[1]
+    gp = next_pow2(q.shape[1] // kv_heads)
+    if decode_query_len > 1 and next_pow2(decode_query_len) * gp <= 128:
+        # Speculative rows of a request overlap: one tile per request loads each block of their union once.
+        batch = seq_lens.shape[0]
+        tq = max(next_pow2(decode_query_len), 16 // gp)
+        programs = batch * kv_heads
+        splits = 1 if programs >= 132 else min(16, triton.cdiv(264 if programs < 64 else 132, programs))
+        _tile_attn(q, kv_cache, topk_ids, block_table, seq_lens, seq_lens, seq_lens, batch, decode_query_len, tq,
+                   decode_query_len, sc, out, tq * topk_ids.shape[2], splits)
+        return out
+    num_programs = q.shape[0] * kv_heads
     target = 264 if num_programs < 64 else 132
     splits = 1 if num_programs >= target else triton.cdiv(target, num_programs)
-    return _sparse_attn(q, kv_cache, topk_ids, block_table, seq_lens, seq_lens, seq_lens, decode_query_len,
-                        scale, out, k_scale, v_scale, splits=splits)
+    return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, seq_lens, seq_lens, decode_query_len, sc, out,
+                     splits)
