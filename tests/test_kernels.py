@@ -199,6 +199,23 @@ def test_index_prefill_tilings_and_block_splits(target, block_m, splits):
     assert_same_selection(batch, got.cpu(), ref.cpu(), **sel, tol=2e-2 if target == "cuda" else 1e-4)
 
 
+@settings(max_examples=40, deadline=None)
+@given(lens=st.lists(st.integers(0, 40), min_size=1, max_size=6), tq=st.sampled_from([1, 2, 4, 8]),
+       padding=st.integers(0, 5))
+def test_tile_map_covers_each_request_in_order(lens, tq, padding):
+    """Tiles never straddle requests, cover every row once, and their count is bounded by T / tq + B."""
+    from m3sparse.kernels.sparse_attn_tiles import tile_map
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    num_tokens = int(cu[-1]) + padding
+    req, row, start = tile_map(cu, num_tokens, tq)
+    expected = [(b, int(cu[b]) + i) for b, n in enumerate(lens) for i in range(0, n, tq)]
+    used = [(int(b), int(r)) for b, r in zip(req, row) if b < len(lens)]
+    assert used == expected
+    assert (req[len(used):] == len(lens)).all() and req.shape[0] == -(-num_tokens // tq) + len(lens)
+    firsts = [next((i for i, (b2, _) in enumerate(expected) if b2 == b), None) for b in range(len(lens))]
+    assert all(f is None or int(start[b]) == f for b, f in enumerate(firsts))
+
+
 @pytest.mark.parametrize("max_union", [0, 12, 10**6])
 def test_prefill_attention_tile_and_row_paths(target, max_union):
     """Every tile through the per-row kernel (0), a mix (12), every tile through the tile kernel."""

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from .block_keys import block_of_key, packed_block_key
 from .common import dot_in_fp32, next_pow2
+from .rows import prefill_request_rows
 
 _EMPTY_SLOT = tl.constexpr(2**63 - 1)  # top-k columns past k: never the minimum, never replaced
 _PREFILL_TARGET_PROGRAMS = 264  # two per SM of the H200
@@ -106,9 +107,7 @@ def _score_topk_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb
     tile = NUM_TILES - 1 - tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
-    row0 = tl.load(cu_ptr + b)
-    nrows = tl.load(cu_ptr + b + 1) - row0
-    first = tl.load(ctx_ptr + b)
+    row0, nrows, first = prefill_request_rows(b, cu_ptr, ctx_ptr)
     if tile * ROWS < nrows:
         m = tl.arange(0, BLOCK_M)
         g = m % HKV_PAD

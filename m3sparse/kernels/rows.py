@@ -39,16 +39,7 @@ def row_request_position(t, seq_lens_ptr, row_req_ptr, row_pos_ptr, DQL, IS_DECO
 
 
 @triton.jit
-def request_rows(b, cu_ptr, ctx_ptr, seq_ptr, DQL, IS_DECODE: tl.constexpr):
-    """(first row, number of rows, position of the first row) of request b: decode requests own DQL rows
-    ending at seq_lens[b] - 1 (negative positions are padding), prefill requests their cu_seqlens_q range
-    starting at context_lens[b]."""
-    if IS_DECODE:
-        row0 = b * DQL
-        nrows = DQL
-        first = tl.load(seq_ptr + b) - DQL
-    else:
-        row0 = tl.load(cu_ptr + b)
-        nrows = tl.load(cu_ptr + b + 1) - row0
-        first = tl.load(ctx_ptr + b)
-    return row0, nrows, first
+def prefill_request_rows(b, cu_ptr, ctx_ptr):
+    """(first row, number of rows, position of the first row) of prefill request b."""
+    row0 = tl.load(cu_ptr + b)
+    return row0, tl.load(cu_ptr + b + 1) - row0, tl.load(ctx_ptr + b)

@@ -3,8 +3,9 @@
 Per-row kernel: one program per (row, KV head, split); the GQA group's query heads form the M dimension of the
 dots, the split's share of the row's selected blocks is walked with an online softmax in fp32. With more than
 one split, ``_merge_splits_kernel`` combines the partial (max, sum, accumulator) triples exactly.
-Prefill and speculative decode also use the tile kernels of ``sparse_attn_tiles`` (a block loaded once for all
-the rows of a tile that chose it); prefill hands each tile to one kernel or the other by its union size.
+Prefill also uses the tile kernels of ``sparse_attn_tiles`` (a block loaded once for all the rows of a tile
+that chose it) and hands each tile to one kernel or the other by its union size. Speculative decode rows stay
+on the per-row kernel: through the tile kernel they were slower (docs/perf-notes.md, v3).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import triton.language as tl
 
 from .common import FP8_DTYPES, dot_in_fp32, next_pow2, scale_args
 from .rows import prefill_row_map, row_request_position
-from .sparse_attn_tiles import _block_union_kernel, _sparse_attn_tiles_kernel
+from .sparse_attn_tiles import _block_union_kernel, _sparse_attn_tiles_kernel, tile_map
 
 
 @triton.jit
@@ -22,7 +23,7 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
                         bt_ptr, bt_sb, width, num_pages, seq_ptr, row_req_ptr, row_pos_ptr, DQL,
                         ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor,
                         o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, SPLITS,
-                        count_ptr, cu_ptr, NUM_TILES, MAX_UNION,
+                        count_ptr, cu_ptr, tile_start_ptr, NUM_TILES, MAX_UNION,
                         IS_DECODE: tl.constexpr, SKIP_TILED: tl.constexpr, TQ: tl.constexpr, G: tl.constexpr,
                         BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
                         K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
@@ -34,8 +35,8 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
     skip = False
     if SKIP_TILED:
         # Rows of a tile whose block union is small are computed by the tile kernel.
-        tile = (t - tl.load(cu_ptr + b)) // TQ
-        tile_id = (b * NUM_TILES + tile) * tl.num_programs(1) + g
+        tile = tl.load(tile_start_ptr + b) + (t - tl.load(cu_ptr + b)) // TQ
+        tile_id = tile * tl.num_programs(1) + g
         live = (p >= 0) & (tile < NUM_TILES)
         skip = tl.load(count_ptr + tile_id, mask=live, other=MAX_UNION + 1) <= MAX_UNION
     if not skip:
@@ -146,40 +147,34 @@ class _Scales:
         self.k_mult = float(scale) * k_val
 
 
-def _partials(num_tokens, splits, num_heads, dim, device):
-    m = torch.empty((num_tokens, splits, num_heads), dtype=torch.float32, device=device)
-    return m, torch.empty_like(m), torch.empty((num_tokens, splits, num_heads, dim), dtype=torch.float32,
-                                               device=device)
-
-
-def _merge(m, l, acc, out):
-    num_tokens, splits, num_heads = m.shape
-    _merge_splits_kernel[(num_tokens, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_heads,
-                                                  SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=out.shape[2])
-
-
 def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, decode_query_len, sc, out, splits,
               tiled=None):
-    """The per-row kernel; ``tiled`` = (counts, cu_seqlens_q, tiles, rows per tile, max union) skips the rows
-    of tiles that the tile kernel computes."""
+    """The per-row kernel; ``tiled`` = (counts, cu_seqlens_q, first tile of each request, tiles, rows per tile,
+    max union) skips the rows of tiles that the tile kernel computes."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     topk = topk_ids.shape[2]
     splits = max(1, min(splits, topk))
-    m, l, acc = _partials(num_tokens, splits, num_heads, dim, q.device) if splits > 1 else (out, out, out)
-    counts, cu, tiles, tq, max_union = tiled if tiled is not None else (seq_lens, seq_lens, 0, 1, 0)
+    if splits > 1:
+        m = torch.empty((num_tokens, splits, num_heads), dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
+        acc = torch.empty((num_tokens, splits, num_heads, dim), dtype=torch.float32, device=q.device)
+    else:
+        m = l = acc = out
+    counts, cu, tile_start, tiles, tq, max_union = tiled if tiled is not None else (seq_lens,) * 3 + (0, 1, 0)
     _sparse_attn_kernel[(num_tokens, kv_heads, splits)](
         q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_ids.stride(2),
         block_table, block_table.stride(0), block_table.shape[1], num_pages, seq_lens, row_req, row_pos,
         decode_query_len, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val,
-        out, out.stride(0), out.stride(1), m, l, acc, splits, counts, cu, tiles, max_union,
+        out, out.stride(0), out.stride(1), m, l, acc, splits, counts, cu, tile_start, tiles, max_union,
         IS_DECODE=decode_query_len > 0, SKIP_TILED=tiled is not None, TQ=tq, G=num_heads // kv_heads,
         BLOCK_H=max(16, next_pow2(num_heads // kv_heads)), BS=bs, D=dim, TOPK=topk, TOPK_PAD=max(2, next_pow2(topk)),
         K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_in_fp32(q.dtype, kv_cache.dtype),
         WRITE_OUT=splits == 1, num_warps=4, num_stages=2)
     if splits > 1:
-        _merge(m, l, acc, out)
+        _merge_splits_kernel[(num_tokens, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_heads,
+                                                      SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim)
     return out
 
 
@@ -191,38 +186,32 @@ def tile_rows(group: int, topk: int, dot_f32: bool) -> int:
     return max(tq, 16 // gp)
 
 
-def _tile_attn(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_lens, context_lens, batch, rows, tq,
-               decode_query_len, sc, out, max_union, splits):
+def _tile_attn(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, tq, sc, out, max_union):
     """Block unions per (tile, KV head), then the tile kernel over tiles whose union <= max_union. Returns
-    the union sizes [batch, tiles, Hkv]."""
+    the union sizes [tiles, Hkv], the first tile of each request and the tile count."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
+    batch = block_table.shape[0]
     topk = topk_ids.shape[2]
     topk_pad = max(2, next_pow2(topk))
-    tiles = triton.cdiv(rows, tq)
     group = num_heads // kv_heads
-    union = torch.empty((batch, tiles, kv_heads, 3, tq * topk_pad), dtype=torch.int64, device=q.device)
-    counts = torch.empty((batch, tiles, kv_heads), dtype=torch.int32, device=q.device)
-    is_decode = decode_query_len > 0
-    _block_union_kernel[(tiles, batch, kv_heads)](
+    tile_req, tile_row, tile_start = tile_map(cu_seqlens_q, num_tokens, tq)
+    tiles = tile_req.shape[0]
+    union = torch.empty((tiles, kv_heads, 3, tq * topk_pad), dtype=torch.int64, device=q.device)
+    counts = torch.empty((tiles, kv_heads), dtype=torch.int32, device=q.device)
+    _block_union_kernel[(tiles, kv_heads)](
         topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_ids.stride(2), block_table, block_table.stride(0),
-        block_table.shape[1], num_pages, union, counts,
-        cu_seqlens_q, context_lens, seq_lens, decode_query_len, tiles, kv_heads, IS_DECODE=is_decode, TQ=tq,
-        TOPK=topk, TOPK_PAD=topk_pad, BS=bs, num_warps=4)
-    m, l, acc = _partials(num_tokens, splits, num_heads, dim, q.device) if splits > 1 else (out, out, out)
-    gp = next_pow2(group)
+        block_table.shape[1], num_pages, union, counts, tile_req, tile_row, cu_seqlens_q, context_lens, batch,
+        kv_heads, TQ=tq, TOPK=topk, TOPK_PAD=topk_pad, BS=bs, num_warps=4)
     dot_f32 = dot_in_fp32(q.dtype, kv_cache.dtype)
-    _sparse_attn_tiles_kernel[(tiles, batch, kv_heads * splits)](
+    _sparse_attn_tiles_kernel[(tiles, kv_heads)](
         q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        union, counts, cu_seqlens_q, context_lens, seq_lens, decode_query_len, tiles, kv_heads,
-        max_union, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, out, out.stride(0), out.stride(1),
-        m, l, acc, splits, IS_DECODE=is_decode, G=group, GP=gp, TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N), D=dim,
-        TOPK_PAD=topk_pad,
-        K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32, WRITE_OUT=splits == 1,
-        num_warps=TILE_WARPS, num_stages=1 if dot_f32 else TILE_STAGES)
-    if splits > 1:
-        _merge(m, l, acc, out)
-    return counts
+        union, counts, tile_req, tile_row, cu_seqlens_q, context_lens, batch, kv_heads, max_union, sc.ks, sc.ks_h,
+        sc.vs, sc.vs_h, sc.k_mult, sc.v_val, out, out.stride(0), out.stride(1), G=group, GP=next_pow2(group),
+        TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N), D=dim, TOPK_PAD=topk_pad,
+        K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32, num_warps=TILE_WARPS,
+        num_stages=1 if dot_f32 else TILE_STAGES)
+    return counts, tile_start, tiles
 
 
 def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
@@ -237,10 +226,11 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
         # Break-even measured on the H200 (docs/perf-notes.md): a tile of 4 rows x 16 ids is cheaper through
         # the tile kernel up to ~44 distinct blocks.
         max_union = tq * topk * 11 // 16
-    batch = block_table.shape[0]
-    counts = _tile_attn(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_lens, context_lens, batch,
-                        max_query_len, tq, 0, sc, out, max_union, splits=1) if batch and max_query_len else None
-    tiled = (counts, cu_seqlens_q, counts.shape[1], tq, max_union) if counts is not None else None
+    tiled = None
+    if block_table.shape[0] and max_query_len:
+        counts, tile_start, tiles = _tile_attn(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, tq,
+                                               sc, out, max_union)
+        tiled = (counts, cu_seqlens_q, tile_start, tiles, tq, max_union)
     return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, 0, sc, out, 1, tiled)
 
 
@@ -249,19 +239,9 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
     if q.shape[0] == 0:
         return out
     sc = _Scales(q, kv_cache, scale, k_scale, v_scale)
-    # Few rows cannot fill the GPU: split each row's (or request's) blocks across programs and merge exactly.
+    # Few rows cannot fill the GPU: split each row's blocks across programs and merge exactly.
     # Targets measured on the H200 (132 SMs): two programs per SM for tiny batches, one for larger ones.
     kv_heads = kv_cache.shape[1]
-    gp = next_pow2(q.shape[1] // kv_heads)
-    if decode_query_len > 1 and next_pow2(decode_query_len) * gp <= 128:
-        # Speculative rows of a request overlap: one tile per request loads each block of their union once.
-        batch = seq_lens.shape[0]
-        tq = max(next_pow2(decode_query_len), 16 // gp)
-        programs = batch * kv_heads
-        splits = 1 if programs >= 132 else min(16, triton.cdiv(264 if programs < 64 else 132, programs))
-        _tile_attn(q, kv_cache, topk_ids, block_table, seq_lens, seq_lens, seq_lens, batch, decode_query_len, tq,
-                   decode_query_len, sc, out, tq * topk_ids.shape[2], splits)
-        return out
     num_programs = q.shape[0] * kv_heads
     target = 264 if num_programs < 64 else 132
     splits = 1 if num_programs >= target else triton.cdiv(target, num_programs)
