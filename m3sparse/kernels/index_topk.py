@@ -161,6 +161,7 @@ def _merge_topk_kernel(cand_ptr, c_sh, c_st, out_ptr, o_sh, o_st, o_sk, cu_ptr, 
             tl.store(row + r * o_sk, tl.where(best > 0, block_of_key(best, NB_PAD), -1).to(tl.int32))
             packed = tl.where(packed == best, 0, packed)
 
+
 def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context_lens, max_query_len, topk,
                         local_blocks, init_blocks, out, block_m=None, splits=None):
     num_tokens, kv_heads, dim = index_q.shape

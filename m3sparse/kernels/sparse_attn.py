@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import FP8_DTYPES, dot_in_fp32, next_pow2, scale_args
+from .online_softmax import attend_keys
 from .rows import prefill_row_map, row_request_position
 from .sparse_attn_tiles import _block_union_kernel, _sparse_attn_tiles_kernel, tile_map
 
@@ -80,27 +81,8 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
             base = kv_ptr + page * kv_sp + g * kv_sh + j[:, None] * kv_ss + d[None, :]
             k = tl.load(base, mask=seen[:, None], other=0.0)
             v = tl.load(base + D, mask=seen[:, None], other=0.0)
-            if DOT_F32:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)))
-            s = s * k_mult
-            if K_SCALE == 2:
-                s = s * tl.load(ks_ptr + g * ks_sh + slot, mask=seen, other=0.0)[None, :]
-            s = tl.where(seen[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # no key seen yet: keep exp() finite
-            alpha = tl.exp(m_i - m_ref)
-            w = tl.exp(s - m_ref[:, None])
-            l_i = l_i * alpha + tl.sum(w, axis=1)
-            if V_SCALE == 2:
-                w = w * tl.load(vs_ptr + g * vs_sh + slot, mask=seen, other=0.0)[None, :]
-            if DOT_F32:
-                pv = tl.dot(w, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(w.to(q.dtype), v.to(q.dtype))
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = attend_keys(q, k, v, seen[None, :], m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
+                                        vs_ptr + g * vs_sh + slot, seen, K_SCALE, V_SCALE, DOT_F32, False)
         acc = acc * v_mult
         heads = g * G + h
         if WRITE_OUT:
@@ -178,7 +160,7 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, de
     return out
 
 
-def tile_rows(group: int, topk: int, dot_f32: bool) -> int:
+def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
     """Rows per tile of the tile kernels: M = rows x group near TILE_M (half for fp32 dots, whose operands
     need twice the shared memory), the union's pairwise dedup <= 256 ids."""
     gp, topk_pad = next_pow2(group), max(2, next_pow2(topk))
@@ -221,7 +203,7 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
     sc = _Scales(q, kv_cache, scale, k_scale, v_scale)
     row_req, row_pos = prefill_row_map(cu_seqlens_q, context_lens, q.shape[0])
     topk = topk_ids.shape[2]
-    tq = tile_rows(q.shape[1] // kv_cache.shape[1], topk, dot_in_fp32(q.dtype, kv_cache.dtype))
+    tq = rows_per_tile(q.shape[1] // kv_cache.shape[1], topk, dot_in_fp32(q.dtype, kv_cache.dtype))
     if max_union is None:
         # Break-even measured on the H200 (docs/perf-notes.md): a tile of 4 rows x 16 ids is cheaper through
         # the tile kernel up to ~44 distinct blocks.

@@ -11,10 +11,11 @@ kernel wins; the launcher hands tiles whose union is larger than ``max_union`` t
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-import torch
+from .online_softmax import attend_keys
 
 
 def tile_map(cu_seqlens_q: torch.Tensor, num_tokens: int, tq: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -139,27 +140,8 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, un
             base = kv_ptr + page * kv_sp + g * kv_sh + j[:, None] * kv_ss + d[None, :]
             k = tl.load(base, mask=loaded[:, None], other=0.0)
             v = tl.load(base + D, mask=loaded[:, None], other=0.0)
-            if DOT_F32:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)))
-            s = s * k_mult
-            if K_SCALE == 2:
-                s = s * tl.load(ks_ptr + g * ks_sh + slot, mask=loaded, other=0.0)[None, :]
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # no key seen yet: keep exp() finite
-            alpha = tl.exp2(m_i - m_ref)
-            w = tl.exp2(s - m_ref[:, None])
-            l_i = l_i * alpha + tl.sum(w, axis=1)
-            if V_SCALE == 2:
-                w = w * tl.load(vs_ptr + g * vs_sh + slot, mask=loaded, other=0.0)[None, :]
-            if DOT_F32:
-                pv = tl.dot(w, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(w.to(q.dtype), v.to(q.dtype))
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
+                                        vs_ptr + g * vs_sh + slot, loaded, K_SCALE, V_SCALE, DOT_F32, True)
         acc = acc * v_mult
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptr + t[:, None] * o_st + heads[:, None] * o_sh + d[None, :], o.to(o_ptr.dtype.element_ty),
