@@ -26,8 +26,8 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
                         o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, SPLITS,
                         count_ptr, cu_ptr, tile_start_ptr, NUM_TILES, MAX_UNION,
                         IS_DECODE: tl.constexpr, SKIP_TILED: tl.constexpr, TQ: tl.constexpr, G: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-                        K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
+                        TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
                         WRITE_OUT: tl.constexpr):
     t = tl.program_id(0)
     g = tl.program_id(1)

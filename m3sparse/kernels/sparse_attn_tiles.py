@@ -1,10 +1,9 @@
 """Sparse attention over query tiles that load each selected KV block once for all the rows that chose it.
 
 A tile is TQ consecutive rows of one request with all the query heads of one KV head: M = TQ x group rows.
-``_block_union_kernel`` writes the distinct valid block ids of each (tile, KV head), their pages and which rows
-chose them;
-``_sparse_attn_tiles_kernel`` walks that union with an online softmax, each block's keys masked per row to
-the rows that selected it (and causally), so a block shared by the tile's rows costs one load and one
+``_block_union_kernel`` writes the distinct valid block ids of each (tile, KV head), their pages and which
+rows chose them; ``_sparse_attn_tiles_kernel`` walks that union with an online softmax, each block's keys
+masked per row to the rows that selected it (and causally), so a block shared by the tile's rows costs one load and one
 M-row dot instead of one per row. The useful fraction of its work is TQ x k / (union size): high when
 neighbouring tokens overlap (the own block always does), low for unrelated selections, where the per-row
 kernel wins; the launcher hands tiles whose union is larger than ``max_union`` to the per-row kernel.
@@ -86,8 +85,8 @@ def _block_union_kernel(ids_ptr, id_sh, id_st, id_sk, bt_ptr, bt_sb, width, num_
 
 @triton.jit
 def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, union_ptr, count_ptr, tile_req_ptr,
-                              tile_row_ptr, cu_ptr, ctx_ptr, BATCH, HKV, MAX_UNION, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor,
-                              o_ptr, o_st, o_sh, G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr,
+                              tile_row_ptr, cu_ptr, ctx_ptr, BATCH, HKV, MAX_UNION, ks_ptr, ks_sh, vs_ptr, vs_sh,
+                              scale, v_factor, o_ptr, o_st, o_sh, G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr,
                               BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TOPK_PAD: tl.constexpr,
                               K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr):
     M: tl.constexpr = TQ * GP
