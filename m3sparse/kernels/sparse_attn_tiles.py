@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .online_softmax import attend_keys
+from .rows import prefill_request_rows
 
 
 def tile_map(cu_seqlens_q: torch.Tensor, num_tokens: int, tq: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -38,11 +39,12 @@ def tile_map(cu_seqlens_q: torch.Tensor, num_tokens: int, tq: int) -> tuple[torc
 
 @triton.jit
 def _tile_rows(i, tile_req_ptr, tile_row_ptr, cu_ptr, ctx_ptr):
-    """(request, first row, number of rows <= TQ, position of the first row) of tile i."""
+    """(request, first row, number of rows from there to the request's end, position of the first row) of
+    tile i."""
     b = tl.load(tile_req_ptr + i)
     row0 = tl.load(tile_row_ptr + i)
-    req_row0 = tl.load(cu_ptr + b)
-    return b, row0, tl.load(cu_ptr + b + 1) - row0, tl.load(ctx_ptr + b) + row0 - req_row0
+    req_row0, req_rows, req_first = prefill_request_rows(b, cu_ptr, ctx_ptr)
+    return b, row0, req_row0 + req_rows - row0, req_first + row0 - req_row0
 
 
 @triton.jit
