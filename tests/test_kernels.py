@@ -200,20 +200,26 @@ def test_index_prefill_tilings_and_block_splits(target, block_m, splits):
 
 
 @settings(max_examples=40, deadline=None)
-@given(lens=st.lists(st.integers(0, 40), min_size=1, max_size=6), tq=st.sampled_from([1, 2, 4, 8]),
-       padding=st.integers(0, 5))
-def test_tile_map_covers_each_request_in_order(lens, tq, padding):
-    """Tiles never straddle requests, cover every row once, and their count is bounded by T / tq + B."""
-    from m3sparse.kernels.sparse_attn_tiles import tile_map
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+@given(lens=st.lists(st.integers(0, 40), min_size=0, max_size=40), tq=st.sampled_from([1, 2, 4, 8]),
+       padding=st.integers(0, 5), prefix=st.integers(0, 1000))
+def test_prefill_plan_maps_rows_and_tiles(lens, tq, padding, prefix):
+    """Each row's request and position; tiles that never straddle requests, cover every row once, in order,
+    counted within T / tq + B (batches longer than one chunk of the kernel's request loop included)."""
+    from m3sparse.kernels.prefill_plan import prefill_plan
+    cu = torch.tensor([0] + torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
+    ctx = torch.tensor([prefix + 7 * b for b in range(len(lens))], dtype=torch.int32)
     num_tokens = int(cu[-1]) + padding
-    req, row, start = tile_map(cu, num_tokens, tq)
+    plan = prefill_plan(cu, ctx, num_tokens, tq)
+    rows = [(b, int(ctx[b]) + i) for b, n in enumerate(lens) for i in range(n)]
+    assert [(int(b), int(p)) for b, p in zip(plan.row_req[:len(rows)], plan.row_pos[:len(rows)])] == rows
+    assert (plan.row_pos[len(rows):] == -1).all() and plan.row_pos.shape[0] == num_tokens
     expected = [(b, int(cu[b]) + i) for b, n in enumerate(lens) for i in range(0, n, tq)]
-    used = [(int(b), int(r)) for b, r in zip(req, row) if b < len(lens)]
+    used = [(int(b), int(r)) for b, r in zip(plan.tile_req, plan.tile_row) if b < len(lens)]
     assert used == expected
-    assert (req[len(used):] == len(lens)).all() and req.shape[0] == -(-num_tokens // tq) + len(lens)
+    assert (plan.tile_req[len(used):] == len(lens)).all()
+    assert plan.tile_req.shape[0] == -(-num_tokens // tq) + len(lens)
     firsts = [next((i for i, (b2, _) in enumerate(expected) if b2 == b), None) for b in range(len(lens))]
-    assert all(f is None or int(start[b]) == f for b, f in enumerate(firsts))
+    assert all(f is None or int(plan.tile_start[b]) == f for b, f in enumerate(firsts))
 
 
 @pytest.mark.parametrize("max_union", [0, 12, 10**6])

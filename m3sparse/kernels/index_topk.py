@@ -146,20 +146,21 @@ def _score_topk_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb
 
 
 @triton.jit
-def _merge_topk_kernel(cand_ptr, c_sh, c_st, out_ptr, o_sh, o_st, o_sk, cu_ptr, SPLITS: tl.constexpr,
-                       TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, NB_PAD: tl.constexpr):
-    i = tl.program_id(0)
+def _merge_topk_kernel(cand_ptr, c_sh, c_st, out_ptr, o_sh, o_st, o_sk, cu_ptr, ROWS: tl.constexpr,
+                       SPLITS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, NB_PAD: tl.constexpr):
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     b = tl.program_id(1)
     g = tl.program_id(2)
     row0 = tl.load(cu_ptr + b)
-    if i < tl.load(cu_ptr + b + 1) - row0:
-        e = tl.arange(0, SPLITS * TOPK_PAD)
-        packed = tl.load(cand_ptr + g * c_sh + (row0 + i) * c_st + e)
-        row = out_ptr + g * o_sh + (row0 + i) * o_st
-        for r in range(TOPK):
-            best = tl.max(packed, axis=0)
-            tl.store(row + r * o_sk, tl.where(best > 0, block_of_key(best, NB_PAD), -1).to(tl.int32))
-            packed = tl.where(packed == best, 0, packed)
+    live = i < tl.load(cu_ptr + b + 1) - row0
+    e = tl.arange(0, SPLITS * TOPK_PAD)
+    packed = tl.load(cand_ptr + g * c_sh + (row0 + i)[:, None] * c_st + e[None, :], mask=live[:, None], other=0)
+    rows = out_ptr + g * o_sh + (row0 + i) * o_st
+    # Many rows per program: each of the k picks is one reduction along the rows' candidates.
+    for r in range(TOPK):
+        best = tl.max(packed, axis=1)
+        tl.store(rows + r * o_sk, tl.where(best > 0, block_of_key(best, NB_PAD), -1).to(tl.int32), mask=live)
+        packed = tl.where(packed == best[:, None], 0, packed)
 
 
 def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context_lens, max_query_len, topk,
@@ -190,9 +191,10 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
         TOPK=topk, TOPK_PAD=topk_pad, NB_PAD=nb_pad, WRITE_IDS=splits == 1,
         num_warps=4 if block_m <= 64 else 8, num_stages=PREFILL_STAGES)
     if splits > 1:
-        _merge_topk_kernel[(max_query_len, batch, kv_heads)](
+        merge_rows = max(1, min(64, 2048 // (splits * topk_pad)))
+        _merge_topk_kernel[(triton.cdiv(max_query_len, merge_rows), batch, kv_heads)](
             cand, cand.stride(0), cand.stride(1), out, out.stride(0), out.stride(1), out.stride(2), cu_seqlens_q,
-            SPLITS=splits, TOPK=topk, TOPK_PAD=topk_pad, NB_PAD=nb_pad)
+            ROWS=merge_rows, SPLITS=splits, TOPK=topk, TOPK_PAD=topk_pad, NB_PAD=nb_pad, num_warps=4)
     return out
 
 

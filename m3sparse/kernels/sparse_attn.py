@@ -15,8 +15,9 @@ import triton.language as tl
 
 from .common import FP8_DTYPES, dot_in_fp32, next_pow2, scale_args
 from .online_softmax import attend_keys
-from .rows import prefill_row_map, row_request_position
-from .sparse_attn_tiles import _block_union_kernel, _sparse_attn_tiles_kernel, tile_map
+from .prefill_plan import PrefillPlan, prefill_plan
+from .rows import row_request_position
+from .sparse_attn_tiles import _block_union_kernel, _sparse_attn_tiles_kernel
 
 
 @triton.jit
@@ -168,16 +169,17 @@ def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
     return max(tq, 16 // gp)
 
 
-def _tile_attn(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, tq, sc, out, max_union):
+def _tile_attn(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, plan: PrefillPlan, tq, sc, out,
+               max_union):
     """Block unions per (tile, KV head), then the tile kernel over tiles whose union <= max_union. Returns
-    the union sizes [tiles, Hkv], the first tile of each request and the tile count."""
+    the union sizes [tiles, Hkv]."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     batch = block_table.shape[0]
     topk = topk_ids.shape[2]
     topk_pad = max(2, next_pow2(topk))
     group = num_heads // kv_heads
-    tile_req, tile_row, tile_start = tile_map(cu_seqlens_q, num_tokens, tq)
+    tile_req, tile_row = plan.tile_req, plan.tile_row
     tiles = tile_req.shape[0]
     union = torch.empty((tiles, kv_heads, 3, tq * topk_pad), dtype=torch.int64, device=q.device)
     counts = torch.empty((tiles, kv_heads), dtype=torch.int32, device=q.device)
@@ -193,7 +195,7 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, t
         TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N), D=dim, TOPK_PAD=topk_pad,
         K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32, num_warps=TILE_WARPS,
         num_stages=1 if dot_f32 else TILE_STAGES)
-    return counts, tile_start, tiles
+    return counts
 
 
 def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
@@ -201,19 +203,19 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
     if q.shape[0] == 0:
         return out
     sc = _Scales(q, kv_cache, scale, k_scale, v_scale)
-    row_req, row_pos = prefill_row_map(cu_seqlens_q, context_lens, q.shape[0])
     topk = topk_ids.shape[2]
     tq = rows_per_tile(q.shape[1] // kv_cache.shape[1], topk, dot_in_fp32(q.dtype, kv_cache.dtype))
+    plan = prefill_plan(cu_seqlens_q, context_lens, q.shape[0], tq)
     if max_union is None:
         # Break-even measured on the H200 (docs/perf-notes.md): a tile of 4 rows x 16 ids is cheaper through
         # the tile kernel up to ~44 distinct blocks.
         max_union = tq * topk * 11 // 16
     tiled = None
     if block_table.shape[0] and max_query_len:
-        counts, tile_start, tiles = _tile_attn(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, tq,
-                                               sc, out, max_union)
-        tiled = (counts, cu_seqlens_q, tile_start, tiles, tq, max_union)
-    return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, 0, sc, out, 1, tiled)
+        counts = _tile_attn(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, plan, tq, sc, out,
+                            max_union)
+        tiled = (counts, cu_seqlens_q, plan.tile_start, plan.tile_req.shape[0], tq, max_union)
+    return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, plan.row_req, plan.row_pos, 0, sc, out, 1, tiled)
 
 
 def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, scale, out, k_scale,

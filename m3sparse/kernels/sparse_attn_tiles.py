@@ -10,31 +10,11 @@ kernel wins; the launcher hands tiles whose union is larger than ``max_union`` t
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from .online_softmax import attend_keys
 from .rows import prefill_request_rows
-
-
-def tile_map(cu_seqlens_q: torch.Tensor, num_tokens: int, tq: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                              torch.Tensor]:
-    """Tiles of ``tq`` consecutive rows that never straddle two requests, numbered request by request.
-
-    Returns int32 [n] request of each tile (= batch for the unused tail), int32 [n] first row of each tile and
-    int32 [B] number of each request's first tile; n = ceil(T / tq) + B bounds the tile count without a host
-    sync, so buffers grow with the tokens, not with batch x the longest request.
-    """
-    batch = cu_seqlens_q.shape[0] - 1
-    per = (cu_seqlens_q[1:] - cu_seqlens_q[:-1] + tq - 1).div(tq, rounding_mode="floor")
-    end = torch.cumsum(per, 0)
-    start = end - per
-    tile = torch.arange(triton.cdiv(num_tokens, tq) + batch, device=cu_seqlens_q.device)
-    req = torch.searchsorted(end, tile, right=True)
-    safe = req.clamp(max=batch - 1)
-    first_row = cu_seqlens_q[safe] + (tile - start[safe]) * tq
-    return req.to(torch.int32), first_row.to(torch.int32), start.to(torch.int32)
 
 
 @triton.jit
