@@ -182,6 +182,32 @@ def test_index_topk_matches_reference(target, name, selection):
     assert_same_selection(batch, got.cpu(), ref.cpu(), **sel, tol=tol)
 
 
+@pytest.mark.parametrize("name", ["speculative-edge", "decode-many-blocks", "fp8-index-three-heads-decode",
+                                  "tp1-decode-128k", "tp8-spec-decode"])
+@pytest.mark.parametrize("fused, blocks_per_split", [(True, 1), (True, 3), (False, 2)])
+def test_decode_index_fused_and_separate_selection(target, name, fused, blocks_per_split):
+    """The last split selecting in the scoring kernel (arrival counters) and the separate selection kernel,
+    at several splits; twice in a row, so a counter left armed by the first call would break the second."""
+    from m3sparse.kernels.arrivals import arrival_counters
+    from m3sparse.kernels.index_topk import index_topk_decode
+    cases = {**cases_for(target), "fp8-index-three-heads-decode": dict(
+        requests=[(90, 2), (15, 2), (300, 2)], block_size=32, kv_heads=3, heads=3, decode_query_len=2,
+        index_dtype=torch.float8_e4m3fn)} if target != "cuda" else cases_for(target)
+    if name not in cases:
+        pytest.skip("case sized for the other target")
+    spec = dict(cases[name], q_dtype=act_dtype(target))
+    batch = make_batch(**spec, seed=blocks_per_split, device=device_of(target))
+    sel = dict(topk=5, local_blocks=2, init_blocks=1)
+    ref = batch.index_decode(impl=reference, **sel).cpu()
+    meta = batch.decode_meta()
+    for _ in range(2):
+        got = poisoned_ids(batch.kv_heads, batch.q.shape[0], 5, batch.q.device)
+        index_topk_decode(batch.index_q, batch.index_cache, batch.index_block_table, meta["seq_lens"],
+                          meta["decode_query_len"], 5, 2, 1, got, blocks_per_split=blocks_per_split, fused=fused)
+        assert_same_selection(batch, got.cpu(), ref, **sel, tol=2e-2 if target == "cuda" else 1e-4)
+    assert (arrival_counters(batch.q.device, 1) == 0).all(), "a counter was left armed"
+
+
 @pytest.mark.parametrize("block_m, splits", [(16, 4), (64, 2), (32, 1)])
 def test_index_prefill_tilings_and_block_splits(target, block_m, splits):
     """The prefill index kernel at other row tilings, its blocks split over programs (merged candidates)."""
@@ -264,6 +290,30 @@ def test_sparse_attn_matches_reference(target, name, kv_dtype, layout, scale_kin
     assert rel_err(got, ref) <= attn_tol(target, kv_dtype)
     pad = [t for t, (b, _) in enumerate(batch.rows) if b < 0]
     assert (got[pad] == 0).all()
+
+
+@pytest.mark.parametrize("splits, fused_merge", [(1, True), (3, True), (16, True), (5, False)])
+def test_decode_attention_splits_and_merges(target, splits, fused_merge):
+    """Split rows merged by their last split (arrival counters) or by the merge kernel, twice in a row (a
+    counter left armed would break the second call), against the reference; padding rows stay 0."""
+    from m3sparse.kernels.arrivals import arrival_counters
+    from m3sparse.kernels.sparse_attn import sparse_attn_decode
+    name = "speculative-edge" if target != "cuda" else "tp8-spec-decode"
+    spec = dict(cases_for(target)[name], q_dtype=act_dtype(target))
+    batch = make_batch(**spec, kv_dtype=torch.float16, scale_kind="scalar", seed=splits, device=device_of(target))
+    ids = batch.index_decode(impl=reference)
+    ref = batch.attn_decode(ids, impl=reference)
+    meta = batch.decode_meta()
+    for _ in range(2):
+        out = torch.full_like(batch.q, float("nan"))
+        sparse_attn_decode(batch.q, batch.kv_cache, ids, batch.block_table, meta["seq_lens"],
+                           meta["decode_query_len"], 128 ** -0.5, out, batch.k_scale, batch.v_scale, splits=splits,
+                           fused_merge=fused_merge)
+        assert torch.isfinite(out).all(), "unwritten or non-finite output"
+        assert rel_err(out, ref) <= attn_tol(target, torch.float16)
+    pad = [t for t, (b, _) in enumerate(batch.rows) if b < 0]
+    assert (out[pad] == 0).all()
+    assert (arrival_counters(batch.q.device, 1) == 0).all(), "a counter was left armed"
 
 
 def test_adversarial_and_permuted_ids(target):
