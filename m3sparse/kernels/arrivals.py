@@ -6,9 +6,9 @@ result, and sets the counter back to zero, so the buffer is ready for the next l
 replays without a memset. That saves a second launch (about 2 us per kernel boundary in a decode graph on the
 H200, docs/perf-notes.md v4).
 
-One buffer per (device, stream): kernels on one stream run one after the other, so they never share live
-counters. Two graphs captured on the same stream and replayed concurrently on different streams would: such
-callers should keep the two-kernel path (``fused=False`` at the launchers).
+One buffer per device, shared by every stream: kernels that use it must not run concurrently on two streams of
+one device (serving engines run a model's layers in order on one stream; callers that overlap two batches on
+two streams pass ``fused=False`` / ``fused_merge=False`` to the launchers).
 """
 from __future__ import annotations
 
@@ -17,14 +17,13 @@ import triton
 import triton.language as tl
 
 _MIN_COUNTERS = 1 << 16
-_buffers: dict[tuple[torch.device, int], torch.Tensor] = {}
+_buffers: dict[torch.device, torch.Tensor] = {}
 
 
 def arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """An all-zero int32 buffer of >= n counters for the current stream, or None when a new one would have to
-    be allocated during graph capture before any eager call made it (the launchers then use separate kernels)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
+    """An all-zero int32 buffer of >= n counters, or None when a new one would have to be allocated during
+    graph capture (no eager call made it first): the launchers then use separate kernels."""
+    key = device
     buf = _buffers.get(key)
     if buf is None or buf.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -229,6 +229,7 @@ def index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, seq_lens
 # Fused decode selection: the last split selects for up to this many (row, head) pairs x blocks (int64 keys
 # in registers); larger products (1M contexts, many speculative rows) use the separate selection kernel.
 _FUSED_SELECT_MAX = 4096
+_SELECT_WARPS = 4
 
 
 def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_len,
@@ -253,9 +254,9 @@ def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_
     counters = arrival_counters(index_q.device, batch * tiles) if fused else None
     if batch and width:
         # Split each request's blocks so that the grid fills the GPU. Large batches take >= 8 blocks per split
-        # so the 3-stage pipeline has a loop to fill (fp8 keys at 128 x 128k: 1114 -> 810 us); small ones fewer,
-        # for latency (measured on the H200).
-        per_split = blocks_per_split or (4 if batch < 16 else 8)
+        # so the 3-stage pipeline has a loop to fill (fp8 keys at 128 x 128k: 1114 -> 810 us); small ones one,
+        # for latency (1 x 32k: 13.1 -> 10.3 us; measured on the H200).
+        per_split = blocks_per_split or (1 if batch < 16 else 8)
         splits = max(1, min(triton.cdiv(width, per_split), triton.cdiv(512, batch)))
         _block_scores_kernel[(tiles, batch, splits)](
             index_q, index_q.stride(0), index_q.stride(1), index_cache, index_cache.stride(0),
@@ -269,5 +270,6 @@ def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_
             return out
     _select_topk_kernel[(num_tokens, kv_heads)](
         scores, scores.stride(0), scores.stride(1), out, out.stride(0), out.stride(1), out.stride(2),
-        seq_lens, width, decode_query_len, local_blocks, init_blocks, BS=bs, TOPK=topk, NB_PAD=nb_pad, num_warps=4)
+        seq_lens, width, decode_query_len, local_blocks, init_blocks, BS=bs, TOPK=topk, NB_PAD=nb_pad,
+        num_warps=_SELECT_WARPS)
     return out

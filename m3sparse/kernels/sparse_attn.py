@@ -30,7 +30,8 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
                         IS_DECODE: tl.constexpr, SKIP_TILED: tl.constexpr, TQ: tl.constexpr, G: tl.constexpr,
                         BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
                         TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
-                        WRITE_OUT: tl.constexpr, MERGE_LAST: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                        WRITE_OUT: tl.constexpr, MERGE_LAST: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                        MERGE_HEADS: tl.constexpr):
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -100,42 +101,42 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
             if MERGE_LAST:
                 # The last split of this (row, KV head) to finish merges all of them: no merge launch.
                 if arrive_last(arrive_ptr + t * tl.num_programs(1) + g, SPLITS):
-                    _merge_partials(m_ptr, l_ptr, acc_ptr, o_ptr + t * o_st, o_sh, t, heads, h < G, num_heads,
-                                    SPLITS, BLOCK_H, SPLITS_PAD, D)
+                    _merge_partials(m_ptr, l_ptr, acc_ptr, o_ptr + t * o_st, o_sh, t, g * G, G, num_heads,
+                                    SPLITS, MERGE_HEADS, SPLITS_PAD, D)
 
 
 @triton.jit
-def _merge_partials(m_ptr, l_ptr, acc_ptr, o_row_ptr, o_sh, t, heads, live, num_heads, SPLITS,
-                    BLOCK_H: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr):
-    """Combine the (max, sum, accumulator) partials of one row's splits for the given heads, exactly; loads
-    bypass L1 (other programs wrote them)."""
+def _merge_partials(m_ptr, l_ptr, acc_ptr, o_row_ptr, o_sh, t, head0, G, num_heads, SPLITS, HB: tl.constexpr,
+                    SPLITS_PAD: tl.constexpr, D: tl.constexpr):
+    """Combine the (max, sum, accumulator) partials of row t's splits for heads head0 .. head0 + G - 1, exactly,
+    HB heads at a time (all splits of a chunk are loaded at once: a loop over splits would chain L2 latencies).
+    Loads bypass L1: other programs wrote the partials."""
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D)
-    part = (t * SPLITS + s[:, None]) * num_heads + heads[None, :]
-    ok = (s < SPLITS)[:, None] & live[None, :]
-    m = tl.load(m_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(l_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # all splits empty: avoid -inf - -inf
-    w = tl.where(m > float("-inf"), tl.exp(m - m_max[None, :]), 0.0)
-    total = tl.sum(w * l, axis=0)
-    o = tl.zeros([BLOCK_H, D], tl.float32)
-    for sp in range(SPLITS):
-        w_sp = tl.sum(tl.where(s[:, None] == sp, w, 0.0), axis=0)
-        acc = tl.load(acc_ptr + ((t * SPLITS + sp) * num_heads + heads)[:, None] * D + d[None, :],
-                      mask=live[:, None], other=0.0, cache_modifier=".cg")
-        o += w_sp[:, None] * acc
-    o = o / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(o_row_ptr + heads[:, None] * o_sh + d[None, :], o.to(o_row_ptr.dtype.element_ty), mask=live[:, None])
+    for h0 in range(0, G, HB):
+        h = h0 + tl.arange(0, HB)
+        heads = head0 + h
+        part = (t * SPLITS + s[:, None]) * num_heads + heads[None, :]  # [SPLITS_PAD, HB]
+        ok = (s < SPLITS)[:, None] & (h < G)[None, :]
+        m = tl.load(m_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(l_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
+        acc = tl.load(acc_ptr + part[:, :, None] * D + d[None, None, :], mask=ok[:, :, None], other=0.0,
+                      cache_modifier=".cg")
+        m_max = tl.max(m, axis=0)
+        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # all splits empty: avoid -inf - -inf
+        w = tl.where(m > float("-inf"), tl.exp(m - m_max[None, :]), 0.0)
+        total = tl.sum(w * l, axis=0)
+        o = tl.sum(w[:, :, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(o_row_ptr + heads[:, None] * o_sh + d[None, :], o.to(o_row_ptr.dtype.element_ty),
+                 mask=(h < G)[:, None])
 
 
 @triton.jit
-def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, SPLITS, G: tl.constexpr, BLOCK_H: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr, D: tl.constexpr):
+def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, SPLITS, SPLITS_PAD: tl.constexpr,
+                         D: tl.constexpr):
     t = tl.program_id(0)
-    h = tl.arange(0, BLOCK_H)
-    _merge_partials(m_ptr, l_ptr, acc_ptr, o_ptr + t * o_st, o_sh, t, tl.program_id(1) * G + h, h < G,
-                    G * tl.num_programs(1), SPLITS, BLOCK_H, SPLITS_PAD, D)
+    _merge_partials(m_ptr, l_ptr, acc_ptr, o_ptr + t * o_st, o_sh, t, tl.program_id(1), 1, tl.num_programs(1),
+                    SPLITS, 1, SPLITS_PAD, D)
 
 
 # Tile kernel launch: M = 64 rows (4 tokens x 16 heads), 64-key chunks, 3 stages (H200 sweep: docs/perf-notes.md)
@@ -179,13 +180,12 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, de
         IS_DECODE=decode_query_len > 0, SKIP_TILED=tiled is not None, TQ=tq, G=num_heads // kv_heads,
         BLOCK_H=max(16, next_pow2(num_heads // kv_heads)), BS=bs, D=dim, TOPK=topk, TOPK_PAD=max(2, next_pow2(topk)),
         K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_in_fp32(q.dtype, kv_cache.dtype),
-        WRITE_OUT=splits == 1, MERGE_LAST=arrivals is not None, SPLITS_PAD=next_pow2(splits), num_warps=4,
+        WRITE_OUT=splits == 1, MERGE_LAST=arrivals is not None, SPLITS_PAD=next_pow2(splits),
+        MERGE_HEADS=max(1, min(next_pow2(num_heads // kv_heads), 64 // next_pow2(splits))), num_warps=4,
         num_stages=2)
     if splits > 1 and arrivals is None:
-        group = num_heads // kv_heads
-        _merge_splits_kernel[(num_tokens, kv_heads)](m, l, acc, out, out.stride(0), out.stride(1), splits, G=group,
-                                                     BLOCK_H=max(16, next_pow2(group)), SPLITS_PAD=next_pow2(splits),
-                                                     D=dim)
+        _merge_splits_kernel[(num_tokens, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), splits,
+                                                      SPLITS_PAD=next_pow2(splits), D=dim)
     return out
 
 
