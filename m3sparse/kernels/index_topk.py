@@ -16,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .arrivals import arrival_counters, arrive_last
 from .block_keys import block_of_key, packed_block_key
 from .common import dot_in_fp32, next_pow2
 from .rows import prefill_request_rows
@@ -43,22 +42,10 @@ def _score_block(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, kb, pos, j, d, 
 
 
 @triton.jit
-def _pick_topk(scores, blk, own, live, out_rows, o_sk, LOCAL, INIT, TOPK: tl.constexpr, NB_PAD: tl.constexpr):
-    """Each row's top-k blocks by repeated max over packed keys (scores [R, NB_PAD] fp32, own [R] own block)."""
-    packed = packed_block_key(scores, blk[None, :], own[:, None], LOCAL, INIT, NB_PAD)
-    for r in range(TOPK):
-        best = tl.max(packed, axis=1)
-        pick = block_of_key(best, NB_PAD)
-        tl.store(out_rows + r * o_sk, tl.where(best > 0, pick, -1).to(tl.int32), mask=live)
-        packed = tl.where(blk[None, :] == pick[:, None], 0, packed)
-
-
-@triton.jit
 def _block_scores_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb, width, num_pages,
                          sc_ptr, sc_sh, sc_st, seq_ptr, DQL, SPLITS, HKV,
-                         count_ptr, out_ptr, o_sh, o_st, o_sk, LOCAL, INIT,
                          BLOCK_M: tl.constexpr, HKV_PAD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                         DOT_F32: tl.constexpr, SELECT_M: tl.constexpr, TOPK: tl.constexpr, NB_PAD: tl.constexpr):
+                         DOT_F32: tl.constexpr):
     ROWS: tl.constexpr = BLOCK_M // HKV_PAD
     tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -88,33 +75,24 @@ def _block_scores_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_
     for kb in range(lo, hi):
         s = _score_block(q, ik_ptr, ik_sp, ik_ss, bt_ptr + b * bt_sb, num_pages, kb, pos, j, d, BS, DOT_F32)
         tl.store(out_rows + kb, s, mask=live & (kb <= own))
-    if SELECT_M > 0:
-        # The last split of this (request, row tile) to finish selects for its rows: no second launch.
-        if arrive_last(count_ptr + b * tl.num_programs(0) + tile, SPLITS):
-            ms = tl.arange(0, SELECT_M)
-            gs = ms % HKV_PAD
-            rs = tile * ROWS + ms // HKV_PAD
-            ps = first + rs
-            ls = (rs < DQL) & (gs < HKV)  # padding rows (negative positions) get -1s
-            c = tl.where(ls & (ps >= 0), ps // BS, -1)
-            blk = tl.arange(0, NB_PAD)
-            row_ptrs = sc_ptr + gs * sc_sh + (row0 + rs) * sc_st
-            s = tl.load(row_ptrs[:, None] + blk[None, :], mask=(blk[None, :] <= c[:, None]) & (blk < width)[None, :],
-                        other=0.0, cache_modifier=".cg")
-            _pick_topk(s, blk, c, ls, out_ptr + gs * o_sh + (row0 + rs) * o_st, o_sk, LOCAL, INIT, TOPK, NB_PAD)
 
 
 @triton.jit
 def _select_topk_kernel(sc_ptr, sc_sh, sc_st, out_ptr, o_sh, o_st, o_sk, seq_ptr, width, DQL, LOCAL, INIT,
                         BS: tl.constexpr, TOPK: tl.constexpr, NB_PAD: tl.constexpr):
-    t = tl.program_id(0) + tl.zeros([1], tl.int32)  # one row, as the [R] vectors of _pick_topk
+    t = tl.program_id(0)
     g = tl.program_id(1)
     p = tl.load(seq_ptr + t // DQL) - DQL + t % DQL
     c = tl.where(p >= 0, p // BS, -1)
     blk = tl.arange(0, NB_PAD)
-    s = tl.load(sc_ptr + g * sc_sh + (t * sc_st)[:, None] + blk[None, :],
-                mask=(blk[None, :] <= c[:, None]) & (blk < width)[None, :], other=0.0)
-    _pick_topk(s, blk, c, t >= 0, out_ptr + g * o_sh + t * o_st, o_sk, LOCAL, INIT, TOPK, NB_PAD)
+    s = tl.load(sc_ptr + g * sc_sh + t * sc_st + blk, mask=(blk <= c) & (blk < width), other=0.0)
+    packed = packed_block_key(s, blk, c, LOCAL, INIT, NB_PAD)
+    row = out_ptr + g * o_sh + t * o_st
+    for r in range(TOPK):
+        best = tl.max(packed, axis=0)
+        pick = block_of_key(best, NB_PAD)
+        tl.store(row + r * o_sk, tl.where(best > 0, pick, -1).to(tl.int32))
+        packed = tl.where(blk == pick, 0, packed)
 
 
 @triton.jit
@@ -226,50 +204,32 @@ def index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, seq_lens
                                local_blocks, init_blocks, out)
 
 
-# Fused decode selection: the last split selects for up to this many (row, head) pairs x blocks (int64 keys
-# in registers); larger products (1M contexts, many speculative rows) use the separate selection kernel.
-_FUSED_SELECT_MAX = 4096
-_SELECT_WARPS = 4
-
-
 def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_len,
-                      topk, local_blocks, init_blocks, out, blocks_per_split=None, fused=None):
+                      topk, local_blocks, init_blocks, out, blocks_per_split=None):
     num_tokens, kv_heads, dim = index_q.shape
     num_pages, bs, _ = index_cache.shape
     batch, width = block_table.shape
     if num_tokens == 0:
         return out
     scores = torch.empty((kv_heads, num_tokens, max(width, 1)), dtype=torch.float32, device=index_q.device)
-    nb_pad = max(16, next_pow2(width))
-    if not (batch and width):
-        fused = False
-    hkv_pad = next_pow2(kv_heads)
-    block_m = max(16, next_pow2(decode_query_len * hkv_pad)) if decode_query_len * hkv_pad <= 64 \
-        else max(64, hkv_pad)
-    rows_per_tile = block_m // hkv_pad
-    tiles = triton.cdiv(decode_query_len, rows_per_tile)
-    select_m = next_pow2(min(rows_per_tile, decode_query_len) * hkv_pad)
-    if fused is None:
-        fused = select_m * nb_pad <= _FUSED_SELECT_MAX
-    counters = arrival_counters(index_q.device, batch * tiles) if fused else None
     if batch and width:
+        hkv_pad = next_pow2(kv_heads)
+        block_m = max(16, next_pow2(decode_query_len * hkv_pad)) if decode_query_len * hkv_pad <= 64 \
+            else max(64, hkv_pad)
+        rows_per_tile = block_m // hkv_pad
         # Split each request's blocks so that the grid fills the GPU. Large batches take >= 8 blocks per split
         # so the 3-stage pipeline has a loop to fill (fp8 keys at 128 x 128k: 1114 -> 810 us); small ones one,
-        # for latency (1 x 32k: 13.1 -> 10.3 us; measured on the H200).
+        # for latency (1 x 32k: 13.1 -> 10.4 us; measured on the H200).
         per_split = blocks_per_split or (1 if batch < 16 else 8)
         splits = max(1, min(triton.cdiv(width, per_split), triton.cdiv(512, batch)))
-        _block_scores_kernel[(tiles, batch, splits)](
+        _block_scores_kernel[(triton.cdiv(decode_query_len, rows_per_tile), batch, splits)](
             index_q, index_q.stride(0), index_q.stride(1), index_cache, index_cache.stride(0),
             index_cache.stride(1), block_table, block_table.stride(0), width, num_pages,
             scores, scores.stride(0), scores.stride(1), seq_lens, decode_query_len, splits, kv_heads,
-            counters if counters is not None else seq_lens, out, out.stride(0), out.stride(1), out.stride(2),
-            local_blocks, init_blocks,
             BLOCK_M=block_m, HKV_PAD=hkv_pad, BS=bs, D=dim, DOT_F32=dot_in_fp32(index_q.dtype, index_cache.dtype),
-            SELECT_M=select_m if counters is not None else 0, TOPK=topk, NB_PAD=nb_pad, num_warps=4, num_stages=3)
-        if counters is not None:
-            return out
+            num_warps=4, num_stages=3)
     _select_topk_kernel[(num_tokens, kv_heads)](
         scores, scores.stride(0), scores.stride(1), out, out.stride(0), out.stride(1), out.stride(2),
-        seq_lens, width, decode_query_len, local_blocks, init_blocks, BS=bs, TOPK=topk, NB_PAD=nb_pad,
-        num_warps=_SELECT_WARPS)
+        seq_lens, width, decode_query_len, local_blocks, init_blocks, BS=bs, TOPK=topk,
+        NB_PAD=max(16, next_pow2(width)), num_warps=4)
     return out

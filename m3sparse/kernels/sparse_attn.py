@@ -13,7 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .arrivals import arrival_counters, arrive_last
 from .common import FP8_DTYPES, dot_in_fp32, next_pow2, scale_args
 from .online_softmax import attend_keys
 from .prefill_plan import PrefillPlan, prefill_plan
@@ -26,12 +25,11 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
                         bt_ptr, bt_sb, width, num_pages, seq_ptr, row_req_ptr, row_pos_ptr, DQL,
                         ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor,
                         o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, SPLITS,
-                        count_ptr, cu_ptr, tile_start_ptr, NUM_TILES, MAX_UNION, arrive_ptr,
+                        count_ptr, cu_ptr, tile_start_ptr, NUM_TILES, MAX_UNION,
                         IS_DECODE: tl.constexpr, SKIP_TILED: tl.constexpr, TQ: tl.constexpr, G: tl.constexpr,
                         BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
                         TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
-                        WRITE_OUT: tl.constexpr, MERGE_LAST: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                        MERGE_HEADS: tl.constexpr):
+                        WRITE_OUT: tl.constexpr):
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -93,50 +91,29 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
             tl.store(o_ptr + t * o_st + heads[:, None] * o_sh + d[None, :], o.to(o_ptr.dtype.element_ty),
                      mask=(h < G)[:, None])
         else:
-            num_heads = G * tl.num_programs(1)
-            part = (t * SPLITS + split) * num_heads + heads  # partials [T, SPLITS, H]
+            part = (t * SPLITS + split) * (G * tl.num_programs(1)) + heads  # partials [T, SPLITS, H]
             tl.store(m_ptr + part, m_i, mask=h < G)
             tl.store(l_ptr + part, l_i, mask=h < G)
             tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=(h < G)[:, None])
-            if MERGE_LAST:
-                # The last split of this (row, KV head) to finish merges all of them: no merge launch.
-                if arrive_last(arrive_ptr + t * tl.num_programs(1) + g, SPLITS):
-                    _merge_partials(m_ptr, l_ptr, acc_ptr, o_ptr + t * o_st, o_sh, t, g * G, G, num_heads,
-                                    SPLITS, MERGE_HEADS, SPLITS_PAD, D)
 
 
 @triton.jit
-def _merge_partials(m_ptr, l_ptr, acc_ptr, o_row_ptr, o_sh, t, head0, G, num_heads, SPLITS, HB: tl.constexpr,
-                    SPLITS_PAD: tl.constexpr, D: tl.constexpr):
-    """Combine the (max, sum, accumulator) partials of row t's splits for heads head0 .. head0 + G - 1, exactly,
-    HB heads at a time (all splits of a chunk are loaded at once: a loop over splits would chain L2 latencies).
-    Loads bypass L1: other programs wrote the partials."""
+def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, H, SPLITS: tl.constexpr,
+                         SPLITS_PAD: tl.constexpr, D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D)
-    for h0 in range(0, G, HB):
-        h = h0 + tl.arange(0, HB)
-        heads = head0 + h
-        part = (t * SPLITS + s[:, None]) * num_heads + heads[None, :]  # [SPLITS_PAD, HB]
-        ok = (s < SPLITS)[:, None] & (h < G)[None, :]
-        m = tl.load(m_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(l_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
-        acc = tl.load(acc_ptr + part[:, :, None] * D + d[None, None, :], mask=ok[:, :, None], other=0.0,
-                      cache_modifier=".cg")
-        m_max = tl.max(m, axis=0)
-        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # all splits empty: avoid -inf - -inf
-        w = tl.where(m > float("-inf"), tl.exp(m - m_max[None, :]), 0.0)
-        total = tl.sum(w * l, axis=0)
-        o = tl.sum(w[:, :, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(o_row_ptr + heads[:, None] * o_sh + d[None, :], o.to(o_row_ptr.dtype.element_ty),
-                 mask=(h < G)[:, None])
-
-
-@triton.jit
-def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, SPLITS, SPLITS_PAD: tl.constexpr,
-                         D: tl.constexpr):
-    t = tl.program_id(0)
-    _merge_partials(m_ptr, l_ptr, acc_ptr, o_ptr + t * o_st, o_sh, t, tl.program_id(1), 1, tl.num_programs(1),
-                    SPLITS, 1, SPLITS_PAD, D)
+    part = (t * SPLITS + s) * H + h
+    m = tl.load(m_ptr + part, mask=s < SPLITS, other=float("-inf"))
+    l = tl.load(l_ptr + part, mask=s < SPLITS, other=0.0)
+    acc = tl.load(acc_ptr + part[:, None] * D + d[None, :], mask=(s < SPLITS)[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # all splits empty: avoid -inf - -inf
+    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
+    total = tl.sum(w * l, axis=0)
+    o = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(o_ptr + t * o_st + h * o_sh + d, o.to(o_ptr.dtype.element_ty))
 
 
 # Tile kernel launch: M = 64 rows (4 tokens x 16 heads), 64-key chunks, 3 stages (H200 sweep: docs/perf-notes.md)
@@ -154,10 +131,9 @@ class _Scales:
 
 
 def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, decode_query_len, sc, out, splits,
-              tiled=None, fused_merge=True):
+              tiled=None):
     """The per-row kernel; ``tiled`` = (counts, cu_seqlens_q, first tile of each request, tiles, rows per tile,
-    max union) skips the rows of tiles that the tile kernel computes. Split rows are merged by their last split
-    (``fused_merge``, arrival counters) or by a merge kernel."""
+    max union) skips the rows of tiles that the tile kernel computes."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     topk = topk_ids.shape[2]
@@ -168,7 +144,6 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, de
         acc = torch.empty((num_tokens, splits, num_heads, dim), dtype=torch.float32, device=q.device)
     else:
         m = l = acc = out
-    arrivals = arrival_counters(q.device, num_tokens * kv_heads) if splits > 1 and fused_merge else None
     counts, cu, tile_start, tiles, tq, max_union = tiled if tiled is not None else (seq_lens,) * 3 + (0, 1, 0)
     _sparse_attn_kernel[(num_tokens, kv_heads, splits)](
         q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
@@ -176,16 +151,13 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, de
         block_table, block_table.stride(0), block_table.shape[1], num_pages, seq_lens, row_req, row_pos,
         decode_query_len, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val,
         out, out.stride(0), out.stride(1), m, l, acc, splits, counts, cu, tile_start, tiles, max_union,
-        arrivals if arrivals is not None else seq_lens,
         IS_DECODE=decode_query_len > 0, SKIP_TILED=tiled is not None, TQ=tq, G=num_heads // kv_heads,
         BLOCK_H=max(16, next_pow2(num_heads // kv_heads)), BS=bs, D=dim, TOPK=topk, TOPK_PAD=max(2, next_pow2(topk)),
         K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_in_fp32(q.dtype, kv_cache.dtype),
-        WRITE_OUT=splits == 1, MERGE_LAST=arrivals is not None, SPLITS_PAD=next_pow2(splits),
-        MERGE_HEADS=max(1, min(next_pow2(num_heads // kv_heads), 64 // next_pow2(splits))), num_warps=4,
-        num_stages=2)
-    if splits > 1 and arrivals is None:
-        _merge_splits_kernel[(num_tokens, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), splits,
-                                                      SPLITS_PAD=next_pow2(splits), D=dim)
+        WRITE_OUT=splits == 1, num_warps=4, num_stages=2)
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_heads,
+                                                      SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim)
     return out
 
 
@@ -247,7 +219,7 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
 
 
 def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, scale, out, k_scale,
-                       v_scale, splits=None, fused_merge=True):
+                       v_scale, splits=None):
     if q.shape[0] == 0:
         return out
     sc = _Scales(q, kv_cache, scale, k_scale, v_scale)
@@ -259,4 +231,4 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
     if splits is None:
         splits = 1 if num_programs >= target else triton.cdiv(target, num_programs)
     return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, seq_lens, seq_lens, decode_query_len, sc, out,
-                     splits, fused_merge=fused_merge)
+                     splits)
