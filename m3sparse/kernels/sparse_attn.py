@@ -29,7 +29,7 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
                         IS_DECODE: tl.constexpr, SKIP_TILED: tl.constexpr, TQ: tl.constexpr, G: tl.constexpr,
                         BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
                         TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
-                        WRITE_OUT: tl.constexpr, BLOCK_N: tl.constexpr):
+                        WRITE_OUT: tl.constexpr):
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -53,6 +53,7 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
 
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, D)
+        j = tl.arange(0, BS)
         q = tl.load(q_ptr + t * q_st + (g * G + h)[:, None] * q_sh + d[None, :], mask=(h < G)[:, None], other=0.0)
         if DOT_F32:
             q = q.to(tl.float32)
@@ -67,12 +68,8 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
             v_mult = v_mult * tl.load(vs_ptr)
         per_split = tl.cdiv(TOPK, SPLITS)
         # No branch in the loop body: ignored ids become fully masked blocks (nothing is loaded for them), so the
-        # compiler can keep the next chunks' loads in flight while this one is reduced. Each block is walked in
-        # BS / BLOCK_N chunks: smaller stages leave shared memory for deeper pipelines.
-        SUB: tl.constexpr = BS // BLOCK_N
-        for chunk in range(split * per_split * SUB, tl.minimum(TOPK, (split + 1) * per_split) * SUB):
-            i = chunk // SUB
-            j = (chunk % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # compiler can keep the next block's loads in flight while this one is reduced.
+        for i in range(split * per_split, tl.minimum(TOPK, (split + 1) * per_split)):
             pick = kk == i
             blk = tl.sum(tl.where(pick, ids, 0), axis=0)
             kept = tl.sum((pick & valid).to(tl.int32), axis=0) > 0
@@ -119,8 +116,6 @@ def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, H, SPLITS: tl
     tl.store(o_ptr + t * o_st + h * o_sh + d, o.to(o_ptr.dtype.element_ty))
 
 
-# Per-row kernel launch: whole 128-key blocks, 2 stages (H200 sweep: docs/perf-notes.md)
-ROW_BLOCK_N, ROW_STAGES = 128, 2
 # Tile kernel launch: M = 64 rows (4 tokens x 16 heads), 64-key chunks, 3 stages (H200 sweep: docs/perf-notes.md)
 TILE_M, TILE_WARPS, TILE_STAGES, TILE_BLOCK_N = 64, 4, 3, 64
 
@@ -159,7 +154,7 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, de
         IS_DECODE=decode_query_len > 0, SKIP_TILED=tiled is not None, TQ=tq, G=num_heads // kv_heads,
         BLOCK_H=max(16, next_pow2(num_heads // kv_heads)), BS=bs, D=dim, TOPK=topk, TOPK_PAD=max(2, next_pow2(topk)),
         K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_in_fp32(q.dtype, kv_cache.dtype),
-        WRITE_OUT=splits == 1, BLOCK_N=min(bs, ROW_BLOCK_N), num_warps=4, num_stages=ROW_STAGES)
+        WRITE_OUT=splits == 1, num_warps=4, num_stages=2)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_heads,
                                                       SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim)
