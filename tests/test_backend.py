@@ -147,7 +147,7 @@ def test_builder_decode_buffers_keep_their_addresses():
     ([2, 1, 40], [10, 20, 0], "request 1 has decode query length 1"),
     ([1] * 9, [5] * 9, "max_num_reqs"),
     ([300, 300], [0, 0], "max_num_batched_tokens"),
-    ([1, 1], [4096, 5], "request 0: 4096 \+ 1 tokens exceed max_model_len"),
+    ([1, 1], [4096, 5], r"request 0: 4096 \+ 1 tokens exceed max_model_len"),
     ([1, -1], [3, 3], "request 1"),
 ])
 def test_builder_rejects_contract_violations(qlens, computed, word):
