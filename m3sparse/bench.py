@@ -203,7 +203,8 @@ def distinct_blocks_per_tile(ids: torch.Tensor, cu: list[int], tile: int = 64) -
     return sum(counts) / max(1, len(counts))
 
 
-def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1, reps=10, dense=True):
+def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1, reps=10, dense=True,
+                  index_dtype=torch.bfloat16):
     """``requests`` sequences of ``tokens`` new tokens each on ``prefix`` cached ones, in one varlen batch."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     seq = prefix + tokens
@@ -212,7 +213,7 @@ def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1,
     kv = m3sparse.new_kv_cache(pages, kv_heads, torch.bfloat16, device="cuda")
     kv.normal_(generator=gen)
     table = torch.randperm(pages, device="cuda", generator=gen).int().view(requests, pages_per)
-    ic = m3sparse.new_index_cache(pages, torch.bfloat16, device="cuda")
+    ic = m3sparse.new_index_cache(pages, index_dtype, device="cuda")
     positions = torch.arange(prefix, seq, device="cuda")
     iq = []
     for b in range(requests):
@@ -252,7 +253,7 @@ def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1,
             t_dense = requests * _events_median(fn, max(3, reps // 2)) / 1e3
     anchor = PREFILL_ANCHORS.get((tokens, prefix, heads, kv_heads)) if requests == 1 else None
     return dict(tokens=tokens, prefix=prefix, heads=heads, kv_heads=kv_heads, requests=requests, pattern=pattern,
-                distinct_per_64=distinct_blocks_per_tile(ids.cpu(), cu), index_ms=t_index, attend_ms=t_attend,
+                index_dtype=str(index_dtype).replace("torch.", ""), distinct_per_64=distinct_blocks_per_tile(ids.cpu(), cu), index_ms=t_index, attend_ms=t_attend,
                 index_tflops=index_flops / t_index / 1e9, attend_tflops=attend_flops / t_attend / 1e9,
                 dense_ms=t_dense, anchor_index_ms=anchor[0] if anchor else None,
                 anchor_attend_ms=anchor[1] if anchor else None, anchor_dense_ms=anchor[2] if anchor else None)
@@ -303,7 +304,7 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", default="16/1,64/4,8/1", help="head shapes of the full grid")
     parser.add_argument("--json", help="write the raw rows here")
     parser.add_argument("--index-cache-dtype", choices=["bfloat16", "fp8_e4m3"], default="bfloat16",
-                        help="dtype of the index-key cache in the decode cases")
+                        help="dtype of the index-key cache")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench needs a CUDA GPU")
@@ -322,16 +323,16 @@ def main(argv=None) -> None:
                         (128, 32768, 1, 16, 1), (32, 131072, 4, 16, 1), (1, 32768, 1, 64, 4)]
         prefill_cases = []
     results = {"decode": [], "prefill": []}
+    index_dtype = torch.float8_e4m3fn if args.index_cache_dtype == "fp8_e4m3" else torch.bfloat16
     if args.what in ("decode", "all"):
         for case in decode_cases:
-            index_dtype = torch.float8_e4m3fn if args.index_cache_dtype == "fp8_e4m3" else torch.bfloat16
             results["decode"].append(bench_decode(*case, index_dtype=index_dtype))
             torch.cuda.empty_cache()
         print(decode_table(results["decode"]), flush=True)
     if args.what in ("prefill", "all"):
         for case in prefill_cases:
             results["prefill"].append(bench_prefill(*case, reps=5 if case[0] >= 131072 else 10,
-                                                    dense=case[4] == PATTERNS[0]))
+                                                    dense=case[4] == PATTERNS[0], index_dtype=index_dtype))
             torch.cuda.empty_cache()
         if results["prefill"]:
             print(prefill_table(results["prefill"]), flush=True)

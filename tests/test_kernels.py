@@ -204,6 +204,27 @@ def test_decode_index_block_splits(target, name, blocks_per_split):
     assert_same_selection(batch, got.cpu(), ref, **sel, tol=2e-2 if target == "cuda" else 1e-4)
 
 
+@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("queries", ["fp16-values", "some-not-fp16"])
+def test_fp8_index_keys_score_any_queries(target, decode, queries):
+    """e4m3 index keys: tiles whose queries are all fp16 values take the fp16 path on the GPU, the others (an
+    element below fp16's resolution or above its range) the bf16 path; both select as the reference does."""
+    spec = dict(requests=[(900, 2), (5000, 2), (130, 2)] if decode else [(900, 70), (0, 300)], heads=8,
+                kv_heads=2, block_size=16 if target != "cuda" else 128, index_dtype=torch.float8_e4m3fn,
+                q_dtype=act_dtype(target), **({"decode_query_len": 2} if decode else {}))
+    batch = make_batch(**spec, seed=7, device=device_of(target))
+    iq = batch.index_q
+    iq.copy_(torch.where(iq.abs() < 1e-3, torch.full_like(iq, 1e-3).copysign(iq), iq))  # all fp16 values
+    if queries == "some-not-fp16":
+        iq[1::3, :, 5] = 1e-7  # below fp16's subnormal resolution
+        iq[2::5, :, 9] = 7e4  # past fp16's range
+    sel = dict(topk=6, local_blocks=1, init_blocks=1)
+    run = batch.index_decode if decode else batch.index_prefill
+    got = run(out=poisoned_ids(batch.kv_heads, batch.q.shape[0], 6, batch.q.device), **sel)
+    assert_same_selection(batch, got.cpu(), run(impl=reference, **sel).cpu(), **sel,
+                          tol=2e-2 if target == "cuda" else 1e-4)
+
+
 @pytest.mark.parametrize("block_m, splits", [(16, 4), (64, 2), (32, 1)])
 def test_index_prefill_tilings_and_block_splits(target, block_m, splits):
     """The prefill index kernel at other row tilings, its blocks split over programs (merged candidates)."""

@@ -42,10 +42,38 @@ def _score_block(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, kb, pos, j, d, 
 
 
 @triton.jit
+def _fp16_exact(q):
+    """Whether every element of q is an fp16 value. Then e4m3 keys are scored against q in fp16: e4m3 -> fp16 is
+    one conversion instruction per pair of keys (-> bf16 several), and the products and fp32 sums are as exact."""
+    return tl.sum(tl.sum((q.to(tl.float16).to(tl.float32) != q.to(tl.float32)).to(tl.int32), axis=1), axis=0) == 0
+
+
+@triton.jit
+def _store_block_scores(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, lo, hi, pos, j, d, out_rows, live, own,
+                        BS: tl.constexpr, DOT_F32: tl.constexpr):
+    for kb in range(lo, hi):
+        s = _score_block(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, kb, pos, j, d, BS, DOT_F32)
+        tl.store(out_rows + kb, s, mask=live & (kb <= own))
+
+
+@triton.jit
+def _running_topk(q, top, col, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, lo, hi, pos, j, d, own, LOCAL, INIT,
+                  BS: tl.constexpr, DOT_F32: tl.constexpr, NB_PAD: tl.constexpr):
+    """Fold blocks lo..hi-1 into each row's running top-k of packed keys (a new key replaces the row's smallest
+    when larger; 0 = empty slot)."""
+    for kb in range(lo, hi):
+        s = _score_block(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, kb, pos, j, d, BS, DOT_F32)
+        key = packed_block_key(s, kb, own, LOCAL, INIT, NB_PAD)
+        low, slot = tl.min(top, axis=1, return_indices=True)
+        top = tl.where((col[None, :] == slot[:, None]) & (key > low)[:, None], key[:, None], top)
+    return top
+
+
+@triton.jit
 def _block_scores_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb, width, num_pages,
                          sc_ptr, sc_sh, sc_st, seq_ptr, DQL, SPLITS, HKV,
                          BLOCK_M: tl.constexpr, HKV_PAD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                         DOT_F32: tl.constexpr):
+                         DOT_F32: tl.constexpr, K_FP8: tl.constexpr):
     ROWS: tl.constexpr = BLOCK_M // HKV_PAD
     tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -72,9 +100,16 @@ def _block_scores_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_
     if DOT_F32:
         q = q.to(tl.float32)
     out_rows = sc_ptr + g * sc_sh + (row0 + rows) * sc_st
-    for kb in range(lo, hi):
-        s = _score_block(q, ik_ptr, ik_sp, ik_ss, bt_ptr + b * bt_sb, num_pages, kb, pos, j, d, BS, DOT_F32)
-        tl.store(out_rows + kb, s, mask=live & (kb <= own))
+    bt_row = bt_ptr + b * bt_sb
+    use_f16 = False
+    if K_FP8:
+        use_f16 = _fp16_exact(q)
+    if use_f16:
+        _store_block_scores(q.to(tl.float16), ik_ptr, ik_sp, ik_ss, bt_row, num_pages, lo, hi, pos, j, d, out_rows,
+                            live, own, BS, DOT_F32)
+    else:
+        _store_block_scores(q, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, lo, hi, pos, j, d, out_rows, live, own, BS,
+                            DOT_F32)
 
 
 @triton.jit
@@ -100,8 +135,8 @@ def _score_topk_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb
                        cand_ptr, T_TOTAL, out_ptr, o_sh, o_st, o_sk, cu_ptr, ctx_ptr, NUM_TILES, SPLITS, HKV,
                        LOCAL, INIT,
                        BLOCK_M: tl.constexpr, HKV_PAD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                       DOT_F32: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, NB_PAD: tl.constexpr,
-                       WRITE_IDS: tl.constexpr):
+                       DOT_F32: tl.constexpr, K_FP8: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+                       NB_PAD: tl.constexpr, WRITE_IDS: tl.constexpr):
     ROWS: tl.constexpr = BLOCK_M // HKV_PAD
     # Later tiles see more blocks: start them first so the long programs do not trail at the end.
     tile = NUM_TILES - 1 - tl.program_id(0)
@@ -127,13 +162,17 @@ def _score_topk_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb
         if DOT_F32:
             q = q.to(tl.float32)
         col = tl.arange(0, TOPK_PAD)
-        # Running top-k per row: a new key replaces the row's smallest when larger (0 = empty slot).
         top = tl.zeros([BLOCK_M, TOPK_PAD], tl.int64) + tl.where(col < TOPK, 0, _EMPTY_SLOT).to(tl.int64)[None, :]
-        for kb in range(lo, hi):
-            s = _score_block(q, ik_ptr, ik_sp, ik_ss, bt_ptr + b * bt_sb, num_pages, kb, pos, j, d, BS, DOT_F32)
-            key = packed_block_key(s, kb, own, LOCAL, INIT, NB_PAD)
-            low, slot = tl.min(top, axis=1, return_indices=True)
-            top = tl.where((col[None, :] == slot[:, None]) & (key > low)[:, None], key[:, None], top)
+        bt_row = bt_ptr + b * bt_sb
+        use_f16 = False
+        if K_FP8:
+            use_f16 = _fp16_exact(q)
+        if use_f16:
+            top = _running_topk(q.to(tl.float16), top, col, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, lo, hi, pos, j,
+                                d, own, LOCAL, INIT, BS, DOT_F32, NB_PAD)
+        else:
+            top = _running_topk(q, top, col, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, lo, hi, pos, j, d, own, LOCAL,
+                                INIT, BS, DOT_F32, NB_PAD)
         keep = live[:, None] & (col < TOPK)[None, :]
         if WRITE_IDS:
             ids = tl.where(top > 0, block_of_key(top, NB_PAD), -1).to(tl.int32)
@@ -163,6 +202,11 @@ def _merge_topk_kernel(cand_ptr, c_sh, c_st, out_ptr, o_sh, o_st, o_sk, cu_ptr, 
         packed = tl.where(packed == best[:, None], 0, packed)
 
 
+def _fp8_keys(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """e4m3 index keys scored on 16-bit tensor cores (the kernels then try fp16 queries first)."""
+    return cache_dtype == torch.float8_e4m3fn and not dot_in_fp32(q_dtype, cache_dtype)
+
+
 def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context_lens, max_query_len, topk,
                         local_blocks, init_blocks, out, block_m=None, splits=None):
     num_tokens, kv_heads, dim = index_q.shape
@@ -188,7 +232,8 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
         block_table, block_table.stride(0), width, num_pages, cand, num_tokens, out, out.stride(0), out.stride(1),
         out.stride(2), cu_seqlens_q, context_lens, tiles, splits, kv_heads, local_blocks, init_blocks,
         BLOCK_M=block_m, HKV_PAD=hkv_pad, BS=bs, D=dim, DOT_F32=dot_in_fp32(index_q.dtype, index_cache.dtype),
-        TOPK=topk, TOPK_PAD=topk_pad, NB_PAD=nb_pad, WRITE_IDS=splits == 1,
+        K_FP8=_fp8_keys(index_q.dtype, index_cache.dtype), TOPK=topk, TOPK_PAD=topk_pad, NB_PAD=nb_pad,
+        WRITE_IDS=splits == 1,
         num_warps=4 if block_m <= 64 else 8, num_stages=PREFILL_STAGES)
     if splits > 1:
         merge_rows = max(1, min(64, 2048 // (splits * topk_pad)))
@@ -227,7 +272,7 @@ def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_
             index_cache.stride(1), block_table, block_table.stride(0), width, num_pages,
             scores, scores.stride(0), scores.stride(1), seq_lens, decode_query_len, splits, kv_heads,
             BLOCK_M=block_m, HKV_PAD=hkv_pad, BS=bs, D=dim, DOT_F32=dot_in_fp32(index_q.dtype, index_cache.dtype),
-            num_warps=4, num_stages=3)
+            K_FP8=_fp8_keys(index_q.dtype, index_cache.dtype), num_warps=4, num_stages=3)
     _select_topk_kernel[(num_tokens, kv_heads)](
         scores, scores.stride(0), scores.stride(1), out, out.stride(0), out.stride(1), out.stride(2),
         seq_lens, width, decode_query_len, local_blocks, init_blocks, BS=bs, TOPK=topk,
