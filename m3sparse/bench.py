@@ -220,7 +220,7 @@ def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1,
         keys, queries = _index_inputs(pattern, seq, positions, kv_heads, gen)
         padded = torch.zeros(pages_per * BS, D, device="cuda")
         padded[:seq] = keys
-        ic[table[b].long()] = padded.view(pages_per, BS, D).bfloat16()
+        ic[table[b].long()] = padded.view(pages_per, BS, D).to(index_dtype)
         iq.append(queries)
     iq = torch.cat(iq).bfloat16().contiguous()
     q = torch.randn(requests * tokens, heads, D, device="cuda", generator=gen).bfloat16()

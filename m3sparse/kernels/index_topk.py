@@ -101,12 +101,13 @@ def _block_scores_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_
         q = q.to(tl.float32)
     out_rows = sc_ptr + g * sc_sh + (row0 + rows) * sc_st
     bt_row = bt_ptr + b * bt_sb
-    use_f16 = False
     if K_FP8:
-        use_f16 = _fp16_exact(q)
-    if use_f16:
-        _store_block_scores(q.to(tl.float16), ik_ptr, ik_sp, ik_ss, bt_row, num_pages, lo, hi, pos, j, d, out_rows,
-                            live, own, BS, DOT_F32)
+        if _fp16_exact(q):
+            _store_block_scores(q.to(tl.float16), ik_ptr, ik_sp, ik_ss, bt_row, num_pages, lo, hi, pos, j, d,
+                                out_rows, live, own, BS, DOT_F32)
+        else:
+            _store_block_scores(q, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, lo, hi, pos, j, d, out_rows, live, own,
+                                BS, DOT_F32)
     else:
         _store_block_scores(q, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, lo, hi, pos, j, d, out_rows, live, own, BS,
                             DOT_F32)
@@ -164,12 +165,13 @@ def _score_topk_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb
         col = tl.arange(0, TOPK_PAD)
         top = tl.zeros([BLOCK_M, TOPK_PAD], tl.int64) + tl.where(col < TOPK, 0, _EMPTY_SLOT).to(tl.int64)[None, :]
         bt_row = bt_ptr + b * bt_sb
-        use_f16 = False
         if K_FP8:
-            use_f16 = _fp16_exact(q)
-        if use_f16:
-            top = _running_topk(q.to(tl.float16), top, col, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, lo, hi, pos, j,
-                                d, own, LOCAL, INIT, BS, DOT_F32, NB_PAD)
+            if _fp16_exact(q):
+                top = _running_topk(q.to(tl.float16), top, col, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, lo, hi,
+                                    pos, j, d, own, LOCAL, INIT, BS, DOT_F32, NB_PAD)
+            else:
+                top = _running_topk(q, top, col, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, lo, hi, pos, j, d, own,
+                                    LOCAL, INIT, BS, DOT_F32, NB_PAD)
         else:
             top = _running_topk(q, top, col, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, lo, hi, pos, j, d, own, LOCAL,
                                 INIT, BS, DOT_F32, NB_PAD)
