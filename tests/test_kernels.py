@@ -207,8 +207,8 @@ def test_decode_index_block_splits(target, name, blocks_per_split):
 @pytest.mark.parametrize("decode", [True, False])
 @pytest.mark.parametrize("queries", ["fp16-values", "some-not-fp16"])
 def test_fp8_index_keys_score_any_queries(target, decode, queries):
-    """e4m3 index keys: tiles whose queries are all fp16 values take the fp16 path on the GPU, the others (an
-    element below fp16's resolution or above its range) the bf16 path; both select as the reference does."""
+    """e4m3 index keys: decode tiles whose queries are all fp16 values are scored in fp16 on the GPU, the others
+    (an element below fp16's resolution or above its range) in bf16; both, and prefill, select as the reference."""
     spec = dict(requests=[(900, 2), (5000, 2), (130, 2)] if decode else [(900, 70), (0, 300)], heads=8,
                 kv_heads=2, block_size=16 if target != "cuda" else 128, index_dtype=torch.float8_e4m3fn,
                 q_dtype=act_dtype(target), **({"decode_query_len": 2} if decode else {}))

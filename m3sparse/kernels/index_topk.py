@@ -57,19 +57,6 @@ def _store_block_scores(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, lo, hi, 
 
 
 @triton.jit
-def _running_topk(q, top, col, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, lo, hi, pos, j, d, own, LOCAL, INIT,
-                  BS: tl.constexpr, DOT_F32: tl.constexpr, NB_PAD: tl.constexpr):
-    """Fold blocks lo..hi-1 into each row's running top-k of packed keys (a new key replaces the row's smallest
-    when larger; 0 = empty slot)."""
-    for kb in range(lo, hi):
-        s = _score_block(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, kb, pos, j, d, BS, DOT_F32)
-        key = packed_block_key(s, kb, own, LOCAL, INIT, NB_PAD)
-        low, slot = tl.min(top, axis=1, return_indices=True)
-        top = tl.where((col[None, :] == slot[:, None]) & (key > low)[:, None], key[:, None], top)
-    return top
-
-
-@triton.jit
 def _block_scores_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb, width, num_pages,
                          sc_ptr, sc_sh, sc_st, seq_ptr, DQL, SPLITS, HKV,
                          BLOCK_M: tl.constexpr, HKV_PAD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
@@ -136,8 +123,8 @@ def _score_topk_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb
                        cand_ptr, T_TOTAL, out_ptr, o_sh, o_st, o_sk, cu_ptr, ctx_ptr, NUM_TILES, SPLITS, HKV,
                        LOCAL, INIT,
                        BLOCK_M: tl.constexpr, HKV_PAD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                       DOT_F32: tl.constexpr, K_FP8: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-                       NB_PAD: tl.constexpr, WRITE_IDS: tl.constexpr):
+                       DOT_F32: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, NB_PAD: tl.constexpr,
+                       WRITE_IDS: tl.constexpr):
     ROWS: tl.constexpr = BLOCK_M // HKV_PAD
     # Later tiles see more blocks: start them first so the long programs do not trail at the end.
     tile = NUM_TILES - 1 - tl.program_id(0)
@@ -163,18 +150,13 @@ def _score_topk_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb
         if DOT_F32:
             q = q.to(tl.float32)
         col = tl.arange(0, TOPK_PAD)
+        # Running top-k per row: a new key replaces the row's smallest when larger (0 = empty slot).
         top = tl.zeros([BLOCK_M, TOPK_PAD], tl.int64) + tl.where(col < TOPK, 0, _EMPTY_SLOT).to(tl.int64)[None, :]
-        bt_row = bt_ptr + b * bt_sb
-        if K_FP8:
-            if _fp16_exact(q):
-                top = _running_topk(q.to(tl.float16), top, col, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, lo, hi,
-                                    pos, j, d, own, LOCAL, INIT, BS, DOT_F32, NB_PAD)
-            else:
-                top = _running_topk(q, top, col, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, lo, hi, pos, j, d, own,
-                                    LOCAL, INIT, BS, DOT_F32, NB_PAD)
-        else:
-            top = _running_topk(q, top, col, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, lo, hi, pos, j, d, own, LOCAL,
-                                INIT, BS, DOT_F32, NB_PAD)
+        for kb in range(lo, hi):
+            s = _score_block(q, ik_ptr, ik_sp, ik_ss, bt_ptr + b * bt_sb, num_pages, kb, pos, j, d, BS, DOT_F32)
+            key = packed_block_key(s, kb, own, LOCAL, INIT, NB_PAD)
+            low, slot = tl.min(top, axis=1, return_indices=True)
+            top = tl.where((col[None, :] == slot[:, None]) & (key > low)[:, None], key[:, None], top)
         keep = live[:, None] & (col < TOPK)[None, :]
         if WRITE_IDS:
             ids = tl.where(top > 0, block_of_key(top, NB_PAD), -1).to(tl.int32)
@@ -205,7 +187,8 @@ def _merge_topk_kernel(cand_ptr, c_sh, c_st, out_ptr, o_sh, o_st, o_sk, cu_ptr, 
 
 
 def _fp8_keys(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """e4m3 index keys scored on 16-bit tensor cores (the kernels then try fp16 queries first)."""
+    """e4m3 index keys scored on 16-bit tensor cores: decode tries fp16 queries first (32 x 128k: 214 -> 140 us);
+    prefill, compute-bound, stays on bf16 conversions (128k: 8.6 ms against 9.4 ms through fp16, H200)."""
     return cache_dtype == torch.float8_e4m3fn and not dot_in_fp32(q_dtype, cache_dtype)
 
 
@@ -234,8 +217,7 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
         block_table, block_table.stride(0), width, num_pages, cand, num_tokens, out, out.stride(0), out.stride(1),
         out.stride(2), cu_seqlens_q, context_lens, tiles, splits, kv_heads, local_blocks, init_blocks,
         BLOCK_M=block_m, HKV_PAD=hkv_pad, BS=bs, D=dim, DOT_F32=dot_in_fp32(index_q.dtype, index_cache.dtype),
-        K_FP8=_fp8_keys(index_q.dtype, index_cache.dtype), TOPK=topk, TOPK_PAD=topk_pad, NB_PAD=nb_pad,
-        WRITE_IDS=splits == 1,
+        TOPK=topk, TOPK_PAD=topk_pad, NB_PAD=nb_pad, WRITE_IDS=splits == 1,
         num_warps=4 if block_m <= 64 else 8, num_stages=PREFILL_STAGES)
     if splits > 1:
         merge_rows = max(1, min(64, 2048 // (splits * topk_pad)))
