@@ -29,7 +29,7 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
                         IS_DECODE: tl.constexpr, SKIP_TILED: tl.constexpr, TQ: tl.constexpr, G: tl.constexpr,
                         BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
                         TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
-                        WRITE_OUT: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
+                        WRITE_OUT: tl.constexpr):
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -53,7 +53,7 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
 
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, D)
-        SUB: tl.constexpr = BS // BLOCK_N
+        j = tl.arange(0, BS)
         q = tl.load(q_ptr + t * q_st + (g * G + h)[:, None] * q_sh + d[None, :], mask=(h < G)[:, None], other=0.0)
         if DOT_F32:
             q = q.to(tl.float32)
@@ -67,27 +67,23 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
         if V_SCALE == 1:
             v_mult = v_mult * tl.load(vs_ptr)
         per_split = tl.cdiv(TOPK, SPLITS)
-        c0 = split * per_split * SUB
-        c1 = tl.minimum(TOPK, (split + 1) * per_split) * SUB
-        if PREFETCH:
-            # The next chunk's keys and values are loaded before this chunk's dots: two chunks in flight per
-            # program (Triton does not multi-buffer these gathered loads through shared memory).
-            k, v, seen, slot = _row_chunk(c0, c1, ids, valid, kk, p, b, g, bt_ptr, bt_sb, num_pages, kv_ptr, kv_sp,
-                                          kv_sh, kv_ss, d, BS, D, BLOCK_N)
-            for c in range(c0, c1):
-                k_n, v_n, seen_n, slot_n = _row_chunk(c + 1, c1, ids, valid, kk, p, b, g, bt_ptr, bt_sb, num_pages,
-                                                      kv_ptr, kv_sp, kv_sh, kv_ss, d, BS, D, BLOCK_N)
-                m_i, l_i, acc = attend_keys(q, k, v, seen[None, :], m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
-                                            vs_ptr + g * vs_sh + slot, seen, K_SCALE, V_SCALE, DOT_F32, False)
-                k, v, seen, slot = k_n, v_n, seen_n, slot_n
-        else:
-            # No branch in the loop body: ignored ids become fully masked blocks (nothing is loaded for them), so
-            # the compiler can keep the next block's loads in flight while this one is reduced.
-            for c in range(c0, c1):
-                k, v, seen, slot = _row_chunk(c, c1, ids, valid, kk, p, b, g, bt_ptr, bt_sb, num_pages, kv_ptr, kv_sp,
-                                              kv_sh, kv_ss, d, BS, D, BLOCK_N)
-                m_i, l_i, acc = attend_keys(q, k, v, seen[None, :], m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
-                                            vs_ptr + g * vs_sh + slot, seen, K_SCALE, V_SCALE, DOT_F32, False)
+        # No branch in the loop body: ignored ids become fully masked blocks (nothing is loaded for them), so the
+        # compiler can keep the next block's loads in flight while this one is reduced.
+        for i in range(split * per_split, tl.minimum(TOPK, (split + 1) * per_split)):
+            pick = kk == i
+            blk = tl.sum(tl.where(pick, ids, 0), axis=0)
+            kept = tl.sum((pick & valid).to(tl.int32), axis=0) > 0
+            page = tl.load(bt_ptr + b * bt_sb + blk, mask=kept, other=-1)
+            use = (page >= 0) & (page < num_pages)
+            page = tl.where(use, page, 0).to(tl.int64)
+            # (j < limit) rather than "& use": the interpreter rejects a scalar bool broadcast into a mask
+            seen = ((blk * BS + j) <= p) & (j < tl.where(use, BS, 0))
+            slot = page * BS + j
+            base = kv_ptr + page * kv_sp + g * kv_sh + j[:, None] * kv_ss + d[None, :]
+            k = tl.load(base, mask=seen[:, None], other=0.0)
+            v = tl.load(base + D, mask=seen[:, None], other=0.0)
+            m_i, l_i, acc = attend_keys(q, k, v, seen[None, :], m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
+                                        vs_ptr + g * vs_sh + slot, seen, K_SCALE, V_SCALE, DOT_F32, False)
         acc = acc * v_mult
         heads = g * G + h
         if WRITE_OUT:
@@ -99,28 +95,6 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
             tl.store(m_ptr + part, m_i, mask=h < G)
             tl.store(l_ptr + part, l_i, mask=h < G)
             tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=(h < G)[:, None])
-
-
-@triton.jit
-def _row_chunk(c, c_end, ids, valid, kk, p, b, g, bt_ptr, bt_sb, num_pages, kv_ptr, kv_sp, kv_sh, kv_ss, d,
-               BS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys, values [BLOCK_N, D], visibility [BLOCK_N] and slots of chunk c (block c // (BS / BLOCK_N) of the
-    row's ids); nothing is loaded for an ignored id, a page outside the cache or c >= c_end."""
-    SUB: tl.constexpr = BS // BLOCK_N
-    i = c // SUB
-    j = (c % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
-    pick = kk == i
-    blk = tl.sum(tl.where(pick, ids, 0), axis=0)
-    kept = tl.sum((pick & valid).to(tl.int32), axis=0) > 0
-    page = tl.load(bt_ptr + b * bt_sb + blk, mask=kept & (c < c_end), other=-1)
-    use = (page >= 0) & (page < num_pages)
-    page = tl.where(use, page, 0).to(tl.int64)
-    # (j < limit) rather than "& use": the interpreter rejects a scalar bool broadcast into a mask
-    seen = ((blk * BS + j) <= p) & (j < tl.where(use, BS, 0))
-    base = kv_ptr + page * kv_sp + g * kv_sh + j[:, None] * kv_ss + d[None, :]
-    k = tl.load(base, mask=seen[:, None], other=0.0)
-    v = tl.load(base + D, mask=seen[:, None], other=0.0)
-    return k, v, seen, page * BS + j
 
 
 @triton.jit
@@ -142,8 +116,6 @@ def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, H, SPLITS: tl
     tl.store(o_ptr + t * o_st + h * o_sh + d, o.to(o_ptr.dtype.element_ty))
 
 
-# Per-row kernel: keys per chunk, and whether the next chunk is loaded before this one's dots
-ROW_BLOCK_N, ROW_PREFETCH = 128, False
 # Tile kernel launch: M = 64 rows (4 tokens x 16 heads), 64-key chunks, 3 stages (H200 sweep: docs/perf-notes.md)
 TILE_M, TILE_WARPS, TILE_STAGES, TILE_BLOCK_N = 64, 4, 3, 64
 
@@ -182,7 +154,7 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, de
         IS_DECODE=decode_query_len > 0, SKIP_TILED=tiled is not None, TQ=tq, G=num_heads // kv_heads,
         BLOCK_H=max(16, next_pow2(num_heads // kv_heads)), BS=bs, D=dim, TOPK=topk, TOPK_PAD=max(2, next_pow2(topk)),
         K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_in_fp32(q.dtype, kv_cache.dtype),
-        WRITE_OUT=splits == 1, BLOCK_N=min(bs, ROW_BLOCK_N), PREFETCH=ROW_PREFETCH, num_warps=4, num_stages=2)
+        WRITE_OUT=splits == 1, num_warps=4, num_stages=2)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_heads,
                                                       SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim)
