@@ -86,8 +86,6 @@ def sparse_attn_decode(q: Tensor, kv_cache: Tensor, topk_ids: Tensor, block_tabl
                                          _scale(k_scale, k_scale_value), _scale(v_scale, v_scale_value))
 
 
-
-
 def split_scale(scale: Tensor | float | None) -> tuple[Optional[Tensor], float]:
     """A public scale argument as (tensor or None, float) for the op schemas."""
     if isinstance(scale, Tensor):

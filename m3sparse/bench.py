@@ -253,7 +253,8 @@ def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1,
             t_dense = requests * _events_median(fn, max(3, reps // 2)) / 1e3
     anchor = PREFILL_ANCHORS.get((tokens, prefix, heads, kv_heads)) if requests == 1 else None
     return dict(tokens=tokens, prefix=prefix, heads=heads, kv_heads=kv_heads, requests=requests, pattern=pattern,
-                index_dtype=str(index_dtype).replace("torch.", ""), distinct_per_64=distinct_blocks_per_tile(ids.cpu(), cu), index_ms=t_index, attend_ms=t_attend,
+                index_dtype=str(index_dtype).replace("torch.", ""),
+                distinct_per_64=distinct_blocks_per_tile(ids.cpu(), cu), index_ms=t_index, attend_ms=t_attend,
                 index_tflops=index_flops / t_index / 1e9, attend_tflops=attend_flops / t_attend / 1e9,
                 dense_ms=t_dense, anchor_index_ms=anchor[0] if anchor else None,
                 anchor_attend_ms=anchor[1] if anchor else None, anchor_dense_ms=anchor[2] if anchor else None)

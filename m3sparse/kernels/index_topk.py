@@ -88,6 +88,7 @@ def _block_scores_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_
         q = q.to(tl.float32)
     out_rows = sc_ptr + g * sc_sh + (row0 + rows) * sc_st
     bt_row = bt_ptr + b * bt_sb
+    # Nested ifs: Triton 3.6 compiles the body of an `if` on a flag set under a constexpr `if` even when unset.
     if K_FP8:
         if _fp16_exact(q):
             _store_block_scores(q.to(tl.float16), ik_ptr, ik_sp, ik_ss, bt_row, num_pages, lo, hi, pos, j, d,
