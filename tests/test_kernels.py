@@ -242,17 +242,18 @@ def test_index_prefill_tilings_and_block_splits(target, block_m, splits):
     assert_same_selection(batch, got.cpu(), ref.cpu(), **sel, tol=2e-2 if target == "cuda" else 1e-4)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lens=st.lists(st.integers(0, 40), min_size=0, max_size=40), tq=st.sampled_from([1, 2, 4, 8]),
        padding=st.integers(0, 5), prefix=st.integers(0, 1000))
-def test_prefill_plan_maps_rows_and_tiles(lens, tq, padding, prefix):
+def test_prefill_plan_maps_rows_and_tiles(target, lens, tq, padding, prefix):
     """Each row's request and position; tiles that never straddle requests, cover every row once, in order,
     counted within T / tq + B (batches longer than one chunk of the kernel's request loop included)."""
     from m3sparse.kernels.prefill_plan import prefill_plan
     cu = torch.tensor([0] + torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
     ctx = torch.tensor([prefix + 7 * b for b in range(len(lens))], dtype=torch.int32)
     num_tokens = int(cu[-1]) + padding
-    plan = prefill_plan(cu, ctx, num_tokens, tq)
+    plan = prefill_plan(cu.to(device_of(target)), ctx.to(device_of(target)), num_tokens, tq)
+    plan = type(plan)(*(x.cpu() for x in plan))
     rows = [(b, int(ctx[b]) + i) for b, n in enumerate(lens) for i in range(n)]
     assert [(int(b), int(p)) for b, p in zip(plan.row_req[:len(rows)], plan.row_pos[:len(rows)])] == rows
     assert (plan.row_pos[len(rows):] == -1).all() and plan.row_pos.shape[0] == num_tokens
