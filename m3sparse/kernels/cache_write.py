@@ -5,7 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPES, next_pow2, scale_args
+from .._validation import FP8_DTYPES
+from .common import next_pow2, scale_args
 
 
 @triton.jit

@@ -5,8 +5,7 @@ import os
 
 import torch
 
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+from .._validation import FP8_DTYPES
 
 
 def interpreting() -> bool:

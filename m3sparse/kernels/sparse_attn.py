@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPES, dot_in_fp32, next_pow2, scale_args
+from .._validation import FP8_DTYPES
+from .common import dot_in_fp32, next_pow2, scale_args
 from .online_softmax import attend_keys
 from .prefill_plan import PrefillPlan, prefill_plan
 from .rows import row_request_position
