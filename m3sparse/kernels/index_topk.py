@@ -18,10 +18,12 @@ import triton.language as tl
 
 from .block_keys import block_of_key, packed_block_key
 from .common import dot_in_fp32, next_pow2
+from .dependent_launch import chained_launch, wait_for_producer
 from .rows import prefill_request_rows
 
 _EMPTY_SLOT = tl.constexpr(2**63 - 1)  # top-k columns past k: never the minimum, never replaced
 _PREFILL_TARGET_PROGRAMS = 264  # two per SM of the H200
+_DECODE_MAX_PROGRAMS = 512  # decode scoring grid cap (H200 sweep, docs/perf-notes.md)
 PREFILL_BLOCK_M, PREFILL_STAGES = 64, 2  # H200 sweep (docs/perf-notes.md): 64 rows x 4 warps
 
 
@@ -60,7 +62,8 @@ def _store_block_scores(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, lo, hi, 
 def _block_scores_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb, width, num_pages,
                          sc_ptr, sc_sh, sc_st, seq_ptr, DQL, SPLITS, HKV,
                          BLOCK_M: tl.constexpr, HKV_PAD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                         DOT_F32: tl.constexpr, K_FP8: tl.constexpr):
+                         DOT_F32: tl.constexpr, K_FP8: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producer(PDL)
     ROWS: tl.constexpr = BLOCK_M // HKV_PAD
     tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -103,7 +106,8 @@ def _block_scores_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_
 
 @triton.jit
 def _select_topk_kernel(sc_ptr, sc_sh, sc_st, out_ptr, o_sh, o_st, o_sk, seq_ptr, width, DQL, LOCAL, INIT,
-                        BS: tl.constexpr, TOPK: tl.constexpr, NB_PAD: tl.constexpr):
+                        BS: tl.constexpr, TOPK: tl.constexpr, NB_PAD: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producer(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
     p = tl.load(seq_ptr + t // DQL) - DQL + t % DQL
@@ -242,6 +246,7 @@ def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_
     if num_tokens == 0:
         return out
     scores = torch.empty((kv_heads, num_tokens, max(width, 1)), dtype=torch.float32, device=index_q.device)
+    pdl = chained_launch(index_q.device, num_tokens)
     if batch and width:
         hkv_pad = next_pow2(kv_heads)
         block_m = max(16, next_pow2(decode_query_len * hkv_pad)) if decode_query_len * hkv_pad <= 64 \
@@ -251,15 +256,15 @@ def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_
         # so the 3-stage pipeline has a loop to fill (fp8 keys at 128 x 128k: 1114 -> 810 us); small ones one,
         # for latency (1 x 32k: 13.1 -> 10.4 us; measured on the H200).
         per_split = blocks_per_split or (1 if batch < 16 else 8)
-        splits = max(1, min(triton.cdiv(width, per_split), triton.cdiv(512, batch)))
+        splits = max(1, min(triton.cdiv(width, per_split), triton.cdiv(_DECODE_MAX_PROGRAMS, batch)))
         _block_scores_kernel[(triton.cdiv(decode_query_len, rows_per_tile), batch, splits)](
             index_q, index_q.stride(0), index_q.stride(1), index_cache, index_cache.stride(0),
             index_cache.stride(1), block_table, block_table.stride(0), width, num_pages,
             scores, scores.stride(0), scores.stride(1), seq_lens, decode_query_len, splits, kv_heads,
             BLOCK_M=block_m, HKV_PAD=hkv_pad, BS=bs, D=dim, DOT_F32=dot_in_fp32(index_q.dtype, index_cache.dtype),
-            K_FP8=_fp8_keys(index_q.dtype, index_cache.dtype), num_warps=4, num_stages=3)
+            K_FP8=_fp8_keys(index_q.dtype, index_cache.dtype), PDL=pdl, num_warps=4, num_stages=3, launch_pdl=pdl)
     _select_topk_kernel[(num_tokens, kv_heads)](
         scores, scores.stride(0), scores.stride(1), out, out.stride(0), out.stride(1), out.stride(2),
         seq_lens, width, decode_query_len, local_blocks, init_blocks, BS=bs, TOPK=topk,
-        NB_PAD=max(16, next_pow2(width)), num_warps=4)
+        NB_PAD=max(16, next_pow2(width)), PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from .._validation import FP8_DTYPES
 from .common import dot_in_fp32, next_pow2, scale_args
+from .dependent_launch import chained_launch, wait_for_producer
 from .online_softmax import attend_keys
 from .prefill_plan import PrefillPlan, prefill_plan
 from .rows import row_request_position
@@ -30,7 +31,8 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
                         IS_DECODE: tl.constexpr, SKIP_TILED: tl.constexpr, TQ: tl.constexpr, G: tl.constexpr,
                         BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
                         TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
-                        WRITE_OUT: tl.constexpr):
+                        WRITE_OUT: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producer(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -100,7 +102,8 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
 
 @triton.jit
 def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, H, SPLITS: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr, D: tl.constexpr):
+                         SPLITS_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producer(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -132,9 +135,9 @@ class _Scales:
 
 
 def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, decode_query_len, sc, out, splits,
-              tiled=None):
+              tiled=None, pdl=False):
     """The per-row kernel; ``tiled`` = (counts, cu_seqlens_q, first tile of each request, tiles, rows per tile,
-    max union) skips the rows of tiles that the tile kernel computes."""
+    max union) skips the rows of tiles that the tile kernel computes; ``pdl``: chain by dependent launch."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     topk = topk_ids.shape[2]
@@ -155,10 +158,11 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, de
         IS_DECODE=decode_query_len > 0, SKIP_TILED=tiled is not None, TQ=tq, G=num_heads // kv_heads,
         BLOCK_H=max(16, next_pow2(num_heads // kv_heads)), BS=bs, D=dim, TOPK=topk, TOPK_PAD=max(2, next_pow2(topk)),
         K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_in_fp32(q.dtype, kv_cache.dtype),
-        WRITE_OUT=splits == 1, num_warps=4, num_stages=2)
+        WRITE_OUT=splits == 1, PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_heads,
-                                                      SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim)
+                                                      SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim, PDL=pdl,
+                                                      launch_pdl=pdl)
     return out
 
 
@@ -232,4 +236,4 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
     if splits is None:
         splits = 1 if num_programs >= target else triton.cdiv(target, num_programs)
     return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, seq_lens, seq_lens, decode_query_len, sc, out,
-                     splits)
+                     splits, pdl=chained_launch(q.device, q.shape[0]))
