@@ -242,28 +242,34 @@ def test_index_prefill_tilings_and_block_splits(target, block_m, splits):
     assert_same_selection(batch, got.cpu(), ref.cpu(), **sel, tol=2e-2 if target == "cuda" else 1e-4)
 
 
+def _locate_all(cu, n, tq, tile):
+    """locate_prefill for x = 0 .. n-1, through a one-line test kernel: [n, 2] (request, its first tile)."""
+    from locate_kernel import locate_kernel
+    out = torch.full((n, 2), -7, dtype=torch.int32, device=cu.device)
+    if n:
+        locate_kernel[(n,)](cu, cu.shape[0] - 1, out, TQ=tq, TILE=tile)
+    return out.cpu()
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(lens=st.lists(st.integers(0, 40), min_size=0, max_size=40), tq=st.sampled_from([1, 2, 4, 8]),
-       padding=st.integers(0, 5), prefix=st.integers(0, 1000))
-def test_prefill_plan_maps_rows_and_tiles(target, lens, tq, padding, prefix):
-    """Each row's request and position; tiles that never straddle requests, cover every row once, in order,
-    counted within T / tq + B (batches longer than one chunk of the kernel's request loop included)."""
-    from m3sparse.kernels.prefill_plan import prefill_plan
+@given(lens=st.lists(st.integers(0, 40), min_size=0, max_size=70), tq=st.sampled_from([1, 2, 4, 8]),
+       padding=st.integers(0, 5))
+def test_locate_prefill_rows_and_tiles(target, lens, tq, padding):
+    """Each row's request; tiles of tq rows that never straddle requests, numbered request by request; past
+    the end the request is the batch size (batches longer than one 64-request pass of the loop included)."""
     cu = torch.tensor([0] + torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
-    ctx = torch.tensor([prefix + 7 * b for b in range(len(lens))], dtype=torch.int32)
-    num_tokens = int(cu[-1]) + padding
-    plan = prefill_plan(cu.to(device_of(target)), ctx.to(device_of(target)), num_tokens, tq)
-    plan = type(plan)(*(x.cpu() for x in plan))
-    rows = [(b, int(ctx[b]) + i) for b, n in enumerate(lens) for i in range(n)]
-    assert [(int(b), int(p)) for b, p in zip(plan.row_req[:len(rows)], plan.row_pos[:len(rows)])] == rows
-    assert (plan.row_pos[len(rows):] == -1).all() and plan.row_pos.shape[0] == num_tokens
-    expected = [(b, int(cu[b]) + i) for b, n in enumerate(lens) for i in range(0, n, tq)]
-    used = [(int(b), int(r)) for b, r in zip(plan.tile_req, plan.tile_row) if b < len(lens)]
-    assert used == expected
-    assert (plan.tile_req[len(used):] == len(lens)).all()
-    assert plan.tile_req.shape[0] == -(-num_tokens // tq) + len(lens)
-    firsts = [next((i for i, (b2, _) in enumerate(expected) if b2 == b), None) for b in range(len(lens))]
-    assert all(f is None or int(plan.tile_start[b]) == f for b, f in enumerate(firsts))
+    starts, tiles = [], 0
+    for n in lens:
+        starts.append(tiles)
+        tiles += -(-n // tq)
+    rows = [(b, starts[b]) for b, n in enumerate(lens) for _ in range(n)]
+    rows += [(len(lens), tiles)] * padding
+    got = _locate_all(cu.to(device_of(target)), len(rows), tq, False)
+    assert [tuple(map(int, x)) for x in got] == rows
+    expected = [(b, starts[b]) for b, n in enumerate(lens) for _ in range(0, n, tq)]
+    expected += [(len(lens), tiles)] * (padding + len(lens))  # the launcher's grid: T / tq + B programs
+    got = _locate_all(cu.to(device_of(target)), len(expected), tq, True)
+    assert [tuple(map(int, x)) for x in got] == expected
 
 
 @pytest.mark.parametrize("max_union", [0, 12, 10**6])

@@ -1,23 +1,39 @@
-"""Where each token row of a batch sits: its request and absolute position (shared by all kernel families)."""
+"""Where the rows and query tiles of a prefill batch sit: their request and positions (shared by the kernels)."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
 
-@triton.jit
-def row_request_position(t, seq_lens_ptr, row_req_ptr, row_pos_ptr, DQL, IS_DECODE: tl.constexpr):
-    """(request, position) of row t: arithmetic for decode rows, a table lookup for prefill rows.
+# Requests compared at a time by ``locate_prefill`` (one pass for batches up to this size).
+LOCATE_CHUNK = tl.constexpr(64)
 
-    Negative positions mark padding rows.
+
+@triton.jit
+def locate_prefill(x, cu_ptr, BATCH, TQ: tl.constexpr, TILE: tl.constexpr):
+    """(request, first tile of that request) of prefill row x, or of query tile x when TILE.
+
+    Tiles are TQ consecutive rows of one request, numbered request by request (request b owns
+    ceil(q_len_b / TQ) tiles). Past the last row / tile the request is BATCH. Computed from cu_seqlens_q on the
+    device by every program that needs it: no row or tile map, no extra launch.
     """
-    if IS_DECODE:
-        b = t // DQL
-        p = tl.load(seq_lens_ptr + b) - DQL + t % DQL
-    else:
-        b = tl.load(row_req_ptr + t)
-        p = tl.load(row_pos_ptr + t)
-    return b, p
+    b = tl.zeros([], tl.int32)
+    first_tile = tl.zeros([], tl.int32)
+    tiles_before = tl.zeros([], tl.int32)  # tiles of all requests of the chunks already seen
+    for b0 in range(0, BATCH, LOCATE_CHUNK):
+        r = b0 + tl.arange(0, LOCATE_CHUNK)
+        inb = r < BATCH
+        lo = tl.load(cu_ptr + r, mask=inb, other=0)
+        hi = tl.load(cu_ptr + r + 1, mask=inb, other=0)
+        tiles = tl.where(inb, (hi - lo + TQ - 1) // TQ, 0)
+        if TILE:
+            before = inb & (tiles_before + tl.cumsum(tiles, 0) <= x)
+        else:
+            before = inb & (hi <= x)
+        b += tl.sum(before.to(tl.int32), 0)
+        first_tile += tl.sum(tl.where(before, tiles, 0), 0)
+        tiles_before += tl.sum(tiles, 0)
+    return b, first_tile
 
 
 @triton.jit

@@ -17,17 +17,15 @@ from .._validation import FP8_DTYPES
 from .common import dot_in_fp32, next_pow2, scale_args
 from .dependent_launch import chained_launch, wait_for_producer
 from .online_softmax import attend_keys
-from .prefill_plan import PrefillPlan, prefill_plan
-from .rows import row_request_position
-from .sparse_attn_tiles import _block_union_kernel, _sparse_attn_tiles_kernel
+from .rows import locate_prefill
+from .sparse_attn_tiles import _sparse_attn_tiles_kernel
 
 
 @triton.jit
 def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr, id_sh, id_st, id_sk,
-                        bt_ptr, bt_sb, width, num_pages, seq_ptr, row_req_ptr, row_pos_ptr, DQL,
+                        bt_ptr, bt_sb, width, num_pages, seq_ptr, DQL, cu_ptr, ctx_ptr, BATCH,
                         ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor,
-                        o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, SPLITS,
-                        count_ptr, cu_ptr, tile_start_ptr, NUM_TILES, MAX_UNION,
+                        o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, SPLITS, count_ptr, MAX_UNION,
                         IS_DECODE: tl.constexpr, SKIP_TILED: tl.constexpr, TQ: tl.constexpr, G: tl.constexpr,
                         BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
                         TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
@@ -36,14 +34,20 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
-    b, p = row_request_position(t, seq_ptr, row_req_ptr, row_pos_ptr, DQL, IS_DECODE)
     skip = False
-    if SKIP_TILED:
-        # Rows of a tile whose block union is small are computed by the tile kernel.
-        tile = tl.load(tile_start_ptr + b) + (t - tl.load(cu_ptr + b)) // TQ
-        tile_id = tile * tl.num_programs(1) + g
-        live = (p >= 0) & (tile < NUM_TILES)
-        skip = tl.load(count_ptr + tile_id, mask=live, other=MAX_UNION + 1) <= MAX_UNION
+    if IS_DECODE:
+        b = t // DQL
+        p = tl.load(seq_ptr + b) - DQL + t % DQL
+    else:
+        b, first_tile = locate_prefill(t, cu_ptr, BATCH, TQ, False)
+        inb = b < BATCH  # rows past cu_seqlens_q[-1] are padding
+        b = tl.minimum(b, tl.maximum(BATCH - 1, 0))
+        row0 = tl.load(cu_ptr + b)  # BATCH + 1 entries: in bounds even for an empty batch
+        p = tl.where(inb, tl.load(ctx_ptr + b, mask=inb, other=0) + t - row0, -1)
+        if SKIP_TILED:
+            # Rows of a tile whose block union is small are computed by the tile kernel.
+            tile_id = (first_tile + (t - row0) // TQ) * tl.num_programs(1) + g
+            skip = tl.load(count_ptr + tile_id, mask=inb, other=MAX_UNION + 1) <= MAX_UNION
     if not skip:
         c = tl.where(p >= 0, p // BS, -1)
 
@@ -134,10 +138,11 @@ class _Scales:
         self.k_mult = float(scale) * k_val
 
 
-def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, decode_query_len, sc, out, splits,
+def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, prefill=None,
               tiled=None, pdl=False):
-    """The per-row kernel; ``tiled`` = (counts, cu_seqlens_q, first tile of each request, tiles, rows per tile,
-    max union) skips the rows of tiles that the tile kernel computes; ``pdl``: chain by dependent launch."""
+    """The per-row kernel. Decode: rows of decode_query_len per request of seq_lens. Prefill: ``prefill`` =
+    (cu_seqlens_q, context_lens); ``tiled`` = (counts, rows per tile, max union) skips the rows of tiles that
+    the tile kernel computed. ``pdl``: chain by dependent launch."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     topk = topk_ids.shape[2]
@@ -148,14 +153,15 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, row_req, row_pos, de
         acc = torch.empty((num_tokens, splits, num_heads, dim), dtype=torch.float32, device=q.device)
     else:
         m = l = acc = out
-    counts, cu, tile_start, tiles, tq, max_union = tiled if tiled is not None else (seq_lens,) * 3 + (0, 1, 0)
+    cu, ctx = prefill if prefill is not None else (seq_lens, seq_lens)
+    counts, tq, max_union = tiled if tiled is not None else (seq_lens, 1, 0)
     _sparse_attn_kernel[(num_tokens, kv_heads, splits)](
         q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_ids.stride(2),
-        block_table, block_table.stride(0), block_table.shape[1], num_pages, seq_lens, row_req, row_pos,
-        decode_query_len, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val,
-        out, out.stride(0), out.stride(1), m, l, acc, splits, counts, cu, tile_start, tiles, max_union,
-        IS_DECODE=decode_query_len > 0, SKIP_TILED=tiled is not None, TQ=tq, G=num_heads // kv_heads,
+        block_table, block_table.stride(0), block_table.shape[1], num_pages, seq_lens, decode_query_len, cu, ctx,
+        block_table.shape[0], sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val,
+        out, out.stride(0), out.stride(1), m, l, acc, splits, counts, max_union,
+        IS_DECODE=prefill is None, SKIP_TILED=tiled is not None, TQ=tq, G=num_heads // kv_heads,
         BLOCK_H=max(16, next_pow2(num_heads // kv_heads)), BS=bs, D=dim, TOPK=topk, TOPK_PAD=max(2, next_pow2(topk)),
         K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_in_fp32(q.dtype, kv_cache.dtype),
         WRITE_OUT=splits == 1, PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl)
@@ -174,31 +180,24 @@ def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
     return max(tq, 16 // gp)
 
 
-def _tile_attn(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, plan: PrefillPlan, tq, sc, out,
-               max_union):
-    """Block unions per (tile, KV head), then the tile kernel over tiles whose union <= max_union. Returns
-    the union sizes [tiles, Hkv]."""
+def _tile_attn(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, tq, sc, out, max_union, dot_f32):
+    """The tile kernel over tiles whose block union <= max_union. Returns the union sizes [tiles, Hkv]."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     batch = block_table.shape[0]
     topk = topk_ids.shape[2]
     topk_pad = max(2, next_pow2(topk))
     group = num_heads // kv_heads
-    tile_req, tile_row = plan.tile_req, plan.tile_row
-    tiles = tile_req.shape[0]
+    tiles = triton.cdiv(num_tokens, tq) + batch  # bounds the tile count whatever the query lengths
     union = torch.empty((tiles, kv_heads, 3, tq * topk_pad), dtype=torch.int64, device=q.device)
     counts = torch.empty((tiles, kv_heads), dtype=torch.int32, device=q.device)
-    _block_union_kernel[(tiles, kv_heads)](
-        topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_ids.stride(2), block_table, block_table.stride(0),
-        block_table.shape[1], num_pages, union, counts, tile_req, tile_row, cu_seqlens_q, context_lens, batch,
-        kv_heads, TQ=tq, TOPK=topk, TOPK_PAD=topk_pad, BS=bs, num_warps=4)
-    dot_f32 = dot_in_fp32(q.dtype, kv_cache.dtype)
     _sparse_attn_tiles_kernel[(tiles, kv_heads)](
         q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        union, counts, tile_req, tile_row, cu_seqlens_q, context_lens, batch, kv_heads, max_union, sc.ks, sc.ks_h,
-        sc.vs, sc.vs_h, sc.k_mult, sc.v_val, out, out.stride(0), out.stride(1), G=group, GP=next_pow2(group),
-        TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N), D=dim, TOPK_PAD=topk_pad,
-        K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32, num_warps=TILE_WARPS,
+        topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_ids.stride(2), block_table, block_table.stride(0),
+        block_table.shape[1], num_pages, union, counts, cu_seqlens_q, context_lens, batch, kv_heads, max_union,
+        sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, out, out.stride(0), out.stride(1), G=group,
+        GP=next_pow2(group), TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N), D=dim, TOPK=topk,
+        TOPK_PAD=topk_pad, K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32, num_warps=TILE_WARPS,
         num_stages=1 if dot_f32 else TILE_STAGES)
     return counts
 
@@ -209,18 +208,19 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
         return out
     sc = _Scales(q, kv_cache, scale, k_scale, v_scale)
     topk = topk_ids.shape[2]
-    tq = rows_per_tile(q.shape[1] // kv_cache.shape[1], topk, dot_in_fp32(q.dtype, kv_cache.dtype))
-    plan = prefill_plan(cu_seqlens_q, context_lens, q.shape[0], tq)
+    dot_f32 = dot_in_fp32(q.dtype, kv_cache.dtype)
+    tq = rows_per_tile(q.shape[1] // kv_cache.shape[1], topk, dot_f32)
     if max_union is None:
         # Break-even measured on the H200 (docs/perf-notes.md): a tile of 4 rows x 16 ids is cheaper through
         # the tile kernel up to ~44 distinct blocks.
         max_union = tq * topk * 11 // 16
     tiled = None
     if block_table.shape[0] and max_query_len:
-        counts = _tile_attn(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, plan, tq, sc, out,
-                            max_union)
-        tiled = (counts, cu_seqlens_q, plan.tile_start, plan.tile_req.shape[0], tq, max_union)
-    return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, plan.row_req, plan.row_pos, 0, sc, out, 1, tiled)
+        counts = _tile_attn(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, tq, sc, out, max_union,
+                            dot_f32)
+        tiled = (counts, tq, max_union)
+    return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, 0, sc, out, 1, (cu_seqlens_q, context_lens),
+                     tiled)
 
 
 def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, scale, out, k_scale,
@@ -235,5 +235,5 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
     target = 264 if num_programs < 64 else 132
     if splits is None:
         splits = 1 if num_programs >= target else triton.cdiv(target, num_programs)
-    return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, seq_lens, seq_lens, decode_query_len, sc, out,
-                     splits, pdl=chained_launch(q.device, q.shape[0]))
+    return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits,
+                     pdl=chained_launch(q.device, q.shape[0]))

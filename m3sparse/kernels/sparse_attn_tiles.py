@@ -1,8 +1,8 @@
 """Sparse attention over query tiles that load each selected KV block once for all the rows that chose it.
 
 A tile is TQ consecutive rows of one request with all the query heads of one KV head: M = TQ x group rows.
-``_block_union_kernel`` writes the distinct valid block ids of each (tile, KV head), their pages and which
-rows chose them; ``_sparse_attn_tiles_kernel`` walks that union with an online softmax, each block's keys
+Each program of ``_sparse_attn_tiles_kernel`` first writes the distinct valid block ids of its (tile, KV head),
+their pages and which rows chose them, then walks that union with an online softmax, each block's keys
 masked per row to the rows that selected it (and causally), so a block shared by the tile's rows costs one load and one
 M-row dot instead of one per row. The useful fraction of its work is TQ x k / (union size): high when
 neighbouring tokens overlap (the own block always does), low for unrelated selections, where the per-row
@@ -14,116 +14,122 @@ import triton
 import triton.language as tl
 
 from .online_softmax import attend_keys
-from .rows import prefill_request_rows
+from .rows import locate_prefill
 
 
 @triton.jit
-def _tile_rows(i, tile_req_ptr, tile_row_ptr, cu_ptr, ctx_ptr):
-    """(request, first row, number of rows from there to the request's end, position of the first row) of
-    tile i."""
-    b = tl.load(tile_req_ptr + i)
-    row0 = tl.load(tile_row_ptr + i)
-    req_row0, req_rows, req_first = prefill_request_rows(b, cu_ptr, ctx_ptr)
-    return b, row0, req_row0 + req_rows - row0, req_first + row0 - req_row0
-
-
-@triton.jit
-def _block_union_kernel(ids_ptr, id_sh, id_st, id_sk, bt_ptr, bt_sb, width, num_pages, union_ptr, count_ptr,
-                        tile_req_ptr, tile_row_ptr, cu_ptr, ctx_ptr, BATCH, HKV, TQ: tl.constexpr,
-                        TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BS: tl.constexpr):
-    """union [..., 3, N]: the distinct valid block ids of a (tile, KV head), their pages (-1 outside the
-    cache) and, as a bit per tile row, which rows chose them; count: how many."""
+def _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_row_ptr, width, num_pages, g, row0, nrows, first,
+                       TQ: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BS: tl.constexpr):
+    """Write the distinct valid block ids of a (tile, KV head) to entries[0, :count], their pages (-1 outside
+    the cache) to entries[1], and, as a bit per tile row, which rows chose them to entries[2]; return count."""
     N: tl.constexpr = TQ * TOPK_PAD
-    i = tl.program_id(0)
-    g = tl.program_id(1)
-    if tl.load(tile_req_ptr + i) < BATCH:  # the tail of the tile map is unused
-        b, row0, nrows, first = _tile_rows(i, tile_req_ptr, tile_row_ptr, cu_ptr, ctx_ptr)
-        e = tl.arange(0, N)
-        r = e // TOPK_PAD
-        k = e % TOPK_PAD
-        pos = first + r
-        live = (r < nrows) & (k < TOPK)
-        ids = tl.load(ids_ptr + g * id_sh + (row0 + r) * id_st + k * id_sk, mask=live, other=-1)
-        ok = live & (ids >= 0) & (ids <= pos // BS) & (ids < width)
-        ids = tl.where(ok, ids, -1)
-        same = (ids[None, :] == ids[:, None]) & ok[None, :]
-        earlier = same & (e[None, :] < e[:, None])
-        dup = tl.max(earlier.to(tl.int32), axis=1) > 0
-        # Which tile rows chose each id: a sum of distinct powers of two over each row's first occurrence.
-        dup_in_row = tl.max((earlier & (r[None, :] == r[:, None])).to(tl.int32), axis=1) > 0
-        bit = tl.where(dup_in_row, 0, tl.full([N], 1, tl.int64) << r.to(tl.int64))
-        rows = tl.sum(tl.where(same, bit[None, :], 0), axis=1)
-        keep = ok & ~dup
-        page = tl.load(bt_ptr + b * bt_sb + ids, mask=keep, other=-1)
-        page = tl.where((page >= 0) & (page < num_pages), page, -1)
-        slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
-        tile_id = i * HKV + g
-        base = union_ptr + tile_id * 3 * N + slot
-        tl.store(base, ids.to(tl.int64), mask=keep)
-        tl.store(base + N, page.to(tl.int64), mask=keep)
-        tl.store(base + 2 * N, rows, mask=keep)
-        tl.store(count_ptr + tile_id, tl.sum(keep.to(tl.int32), axis=0))
+    e = tl.arange(0, N)
+    r = e // TOPK_PAD
+    k = e % TOPK_PAD
+    pos = first + r
+    live = (r < nrows) & (k < TOPK)
+    ids = tl.load(ids_ptr + g * id_sh + (row0 + r) * id_st + k * id_sk, mask=live, other=-1)
+    ok = live & (ids >= 0) & (ids <= pos // BS) & (ids < width)
+    ids = tl.where(ok, ids, -1)
+    same = (ids[None, :] == ids[:, None]) & ok[None, :]
+    earlier = same & (e[None, :] < e[:, None])
+    dup = tl.max(earlier.to(tl.int32), axis=1) > 0
+    # Which tile rows chose each id: a sum of distinct powers of two over each row's first occurrence.
+    dup_in_row = tl.max((earlier & (r[None, :] == r[:, None])).to(tl.int32), axis=1) > 0
+    bit = tl.where(dup_in_row, 0, tl.full([N], 1, tl.int64) << r.to(tl.int64))
+    rows = tl.sum(tl.where(same, bit[None, :], 0), axis=1)
+    keep = ok & ~dup
+    page = tl.load(bt_row_ptr + ids, mask=keep, other=-1)
+    page = tl.where((page >= 0) & (page < num_pages), page, -1)
+    slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.store(entries + slot, ids.to(tl.int64), mask=keep)
+    tl.store(entries + N + slot, page.to(tl.int64), mask=keep)
+    tl.store(entries + 2 * N + slot, rows, mask=keep)
+    return tl.sum(keep.to(tl.int32), axis=0)
 
 
 @triton.jit
-def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, union_ptr, count_ptr, tile_req_ptr,
-                              tile_row_ptr, cu_ptr, ctx_ptr, BATCH, HKV, MAX_UNION, ks_ptr, ks_sh, vs_ptr, vs_sh,
-                              scale, v_factor, o_ptr, o_st, o_sh, G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr,
-                              BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TOPK_PAD: tl.constexpr,
-                              K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr):
+def _attend_union(entries, count, q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr, vs_sh, scale,
+                  v_factor, o_ptr, o_st, o_sh, g, row0, nrows, first, G: tl.constexpr, GP: tl.constexpr,
+                  TQ: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, N: tl.constexpr,
+                  K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr):
+    """Attention of the tile's rows (all query heads of KV head g) over the count blocks listed at entries."""
     M: tl.constexpr = TQ * GP
+    m = tl.arange(0, M)
+    r = m // GP
+    h = m % GP
+    pos = first + r
+    live = (r < nrows) & (h < G)
+    t = row0 + r
+    d = tl.arange(0, D)
+    heads = g * G + h
+    q = tl.load(q_ptr + t[:, None] * q_st + heads[:, None] * q_sh + d[None, :], mask=live[:, None], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    last_pos = first + tl.minimum(nrows, TQ) - 1
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    k_mult = scale * 1.4426950408889634  # log2(e): the softmax runs on exp2
+    v_mult = v_factor
+    if K_SCALE == 1:
+        k_mult = k_mult * tl.load(ks_ptr)
+    if V_SCALE == 1:
+        v_mult = v_mult * tl.load(vs_ptr)
+    # Each block is walked in BS / BLOCK_N key chunks (smaller chunks leave shared memory for more stages).
+    SUB: tl.constexpr = BS // BLOCK_N
+    for chunk in range(0, count * SUB):
+        u = chunk // SUB
+        j = (chunk % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
+        blk = tl.load(entries + u)
+        page = tl.load(entries + N + u)
+        use = page >= 0
+        page = tl.where(use, page, 0)
+        key_pos = blk * BS + j
+        # Keys after the tile's last row are never seen: not loaded, so garbage there cannot reach a dot.
+        loaded = (key_pos <= last_pos) & (j < tl.where(use, BS, 0))
+        # A row that chose the block (ids past a row's own block are masked by causality: all their keys lie
+        # after the row).
+        member = ((tl.load(entries + 2 * N + u) >> r) & 1) != 0
+        seen = member[:, None] & (key_pos[None, :] <= pos[:, None]) & loaded[None, :]
+        slot = page * BS + j
+        base = kv_ptr + page * kv_sp + g * kv_sh + j[:, None] * kv_ss + d[None, :]
+        k = tl.load(base, mask=loaded[:, None], other=0.0)
+        v = tl.load(base + D, mask=loaded[:, None], other=0.0)
+        m_i, l_i, acc = attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
+                                    vs_ptr + g * vs_sh + slot, loaded, K_SCALE, V_SCALE, DOT_F32, True)
+    acc = acc * v_mult
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + t[:, None] * o_st + heads[:, None] * o_sh + d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=live[:, None])
+
+
+@triton.jit
+def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr, id_sh, id_st, id_sk, bt_ptr,
+                              bt_sb, width, num_pages, union_ptr, count_ptr, cu_ptr, ctx_ptr, BATCH, HKV, MAX_UNION,
+                              ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st, o_sh, G: tl.constexpr,
+                              GP: tl.constexpr, TQ: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                              D: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr,
+                              V_SCALE: tl.constexpr, DOT_F32: tl.constexpr):
+    """One program per (query tile, KV head): write the tile's block union (union_ptr: per-program scratch
+    [tiles, Hkv, 3, N]) and its size (count_ptr [tiles, Hkv]: the per-row kernel computes the tiles over
+    MAX_UNION), then attend over the union if it has at most MAX_UNION blocks."""
     N: tl.constexpr = TQ * TOPK_PAD
     i = tl.program_id(0)
     g = tl.program_id(1)
-    tile_id = i * HKV + g
-    count = tl.load(count_ptr + tile_id, mask=tl.load(tile_req_ptr + i) < BATCH, other=MAX_UNION + 1)
-    if count <= MAX_UNION:
-        b, row0, nrows, first = _tile_rows(i, tile_req_ptr, tile_row_ptr, cu_ptr, ctx_ptr)
-        m = tl.arange(0, M)
-        r = m // GP
-        h = m % GP
-        pos = first + r
-        live = (r < nrows) & (h < G)
-        t = row0 + r
-        d = tl.arange(0, D)
-        heads = g * G + h
-        q = tl.load(q_ptr + t[:, None] * q_st + heads[:, None] * q_sh + d[None, :], mask=live[:, None], other=0.0)
-        if DOT_F32:
-            q = q.to(tl.float32)
-        last_pos = first + tl.minimum(nrows, TQ) - 1
-        m_i = tl.full([M], float("-inf"), tl.float32)
-        l_i = tl.zeros([M], tl.float32)
-        acc = tl.zeros([M, D], tl.float32)
-        k_mult = scale * 1.4426950408889634  # log2(e): the softmax runs on exp2
-        v_mult = v_factor
-        if K_SCALE == 1:
-            k_mult = k_mult * tl.load(ks_ptr)
-        if V_SCALE == 1:
-            v_mult = v_mult * tl.load(vs_ptr)
-        # Each block is walked in BS / BLOCK_N key chunks (smaller chunks leave shared memory for more stages).
-        SUB: tl.constexpr = BS // BLOCK_N
+    b, first_tile = locate_prefill(i, cu_ptr, BATCH, TQ, True)
+    if b < BATCH:  # the grid's tail has no tile
+        req_row0 = tl.load(cu_ptr + b)
+        row0 = req_row0 + (i - first_tile) * TQ
+        nrows = tl.load(cu_ptr + b + 1) - row0
+        first = tl.load(ctx_ptr + b) + row0 - req_row0
+        tile_id = i * HKV + g
         entries = union_ptr + tile_id * 3 * N
-        for chunk in range(0, count * SUB):
-            u = chunk // SUB
-            j = (chunk % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
-            blk = tl.load(entries + u)
-            page = tl.load(entries + N + u)
-            use = page >= 0
-            page = tl.where(use, page, 0)
-            key_pos = blk * BS + j
-            # Keys after the tile's last row are never seen: not loaded, so garbage there cannot reach a dot.
-            loaded = (key_pos <= last_pos) & (j < tl.where(use, BS, 0))
-            # A row that chose the block (ids past a row's own block are masked by causality: all their keys
-            # lie after the row).
-            member = ((tl.load(entries + 2 * N + u) >> r) & 1) != 0
-            seen = member[:, None] & (key_pos[None, :] <= pos[:, None]) & loaded[None, :]
-            slot = page * BS + j
-            base = kv_ptr + page * kv_sp + g * kv_sh + j[:, None] * kv_ss + d[None, :]
-            k = tl.load(base, mask=loaded[:, None], other=0.0)
-            v = tl.load(base + D, mask=loaded[:, None], other=0.0)
-            m_i, l_i, acc = attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
-                                        vs_ptr + g * vs_sh + slot, loaded, K_SCALE, V_SCALE, DOT_F32, True)
-        acc = acc * v_mult
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(o_ptr + t[:, None] * o_st + heads[:, None] * o_sh + d[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=live[:, None])
+        count = _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_ptr + b * bt_sb, width, num_pages, g,
+                                   row0, nrows, first, TQ, TOPK, TOPK_PAD, BS)
+        tl.store(count_ptr + tile_id, count)
+        tl.debug_barrier()  # every thread's entries are visible to the whole program before they are read back
+        if count <= MAX_UNION:
+            _attend_union(entries, count, q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr,
+                          vs_sh, scale, v_factor, o_ptr, o_st, o_sh, g, row0, nrows, first, G, GP, TQ, BS, BLOCK_N,
+                          D, N, K_SCALE, V_SCALE, DOT_F32)
