@@ -18,16 +18,22 @@ from .rows import locate_prefill
 
 
 @triton.jit
+def _tile_lanes(first, nrows, LANES: tl.constexpr, WIDTH: tl.constexpr, USED: tl.constexpr):
+    """The LANES = rows x WIDTH lanes of a tile, row-major: (lane, row, column, position of the row, live: a
+    row of the tile and one of the first USED columns)."""
+    e = tl.arange(0, LANES)
+    r = e // WIDTH
+    c = e % WIDTH
+    return e, r, c, first + r, (r < nrows) & (c < USED)
+
+
+@triton.jit
 def _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_row_ptr, width, num_pages, g, row0, nrows, first,
                        TQ: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BS: tl.constexpr):
     """Write the distinct valid block ids of a (tile, KV head) to entries[0, :count], their pages (-1 outside
     the cache) to entries[1], and, as a bit per tile row, which rows chose them to entries[2]; return count."""
     N: tl.constexpr = TQ * TOPK_PAD
-    e = tl.arange(0, N)
-    r = e // TOPK_PAD
-    k = e % TOPK_PAD
-    pos = first + r
-    live = (r < nrows) & (k < TOPK)
+    e, r, k, pos, live = _tile_lanes(first, nrows, N, TOPK_PAD, TOPK)
     ids = tl.load(ids_ptr + g * id_sh + (row0 + r) * id_st + k * id_sk, mask=live, other=-1)
     ok = live & (ids >= 0) & (ids <= pos // BS) & (ids < width)
     ids = tl.where(ok, ids, -1)
@@ -55,11 +61,7 @@ def _attend_union(entries, count, q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss
                   K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr):
     """Attention of the tile's rows (all query heads of KV head g) over the count blocks listed at entries."""
     M: tl.constexpr = TQ * GP
-    m = tl.arange(0, M)
-    r = m // GP
-    h = m % GP
-    pos = first + r
-    live = (r < nrows) & (h < G)
+    _, r, h, pos, live = _tile_lanes(first, nrows, M, GP, G)
     t = row0 + r
     d = tl.arange(0, D)
     heads = g * G + h
