@@ -237,8 +237,8 @@ def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1,
     torch.cuda.synchronize()
     t_index = _events_median(index, reps) / 1e3
     t_attend = _events_median(attend, reps) / 1e3
-    # As a model runs them: the attention's launches overlap the index kernels (timed apart, each op also pays
-    # the host time before its first kernel).
+    # As a model runs them, between one pair of events: the attention's host work can overlap the index's kernels
+    # (timed apart, each op pays its own host time before its first kernel).
     t_pair = _events_median(lambda: (index(), attend()), reps) / 1e3
     pos = positions.double()
     index_flops = requests * 2 * kv_heads * D * (pos + 1).sum().item()

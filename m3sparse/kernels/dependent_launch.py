@@ -1,11 +1,11 @@
 """Programmatic dependent launch for the decode chain (scores -> selection -> attention -> split merge).
 
-Each kernel of the chain is launched with ``launch_pdl`` and starts with ``wait_for_producer``: it blocks until
-the kernel before it has finished and its writes are visible, then lets the next kernel's programs be
-scheduled (they sit in their own wait). The next kernel's launch latency then overlaps
-this kernel's work instead of following it. Because every kernel releases only after its own wait, a kernel
-that starts early can never overtake the kernel two steps back. Kernels launched without the attribute (torch
-ops, the cache writes) are waited for as usual.
+In steps of at most CHAINED_MAX_ROWS rows each kernel of the chain is launched with ``launch_pdl`` and starts
+with ``wait_for_producer``: it blocks until the kernel before it has finished and its writes are visible, then
+lets the next kernel's programs be scheduled (they sit in their own wait), so the next launch overlaps this
+kernel's work instead of following it. Because every kernel releases only after its own wait, a kernel that
+starts early can never overtake the kernel two steps back. Kernels launched without the attribute (torch ops,
+the cache writes) are waited for as usual.
 """
 from __future__ import annotations
 
