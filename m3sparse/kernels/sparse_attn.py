@@ -3,7 +3,7 @@
 Per-row kernel: one program per (row, KV head, split); the GQA group's query heads form the M dimension of the
 dots, the split's share of the row's selected blocks is walked with an online softmax in fp32. With more than
 one split, ``_merge_splits_kernel`` combines the partial (max, sum, accumulator) triples exactly.
-Prefill also uses the tile kernels of ``sparse_attn_tiles`` (a block loaded once for all the rows of a tile
+Prefill also uses the tile kernel of ``sparse_attn_tiles`` (a block loaded once for all the rows of a tile
 that chose it) and hands each tile to one kernel or the other by its union size. Speculative decode rows stay
 on the per-row kernel: through the tile kernel they were slower (docs/perf-notes.md, v3).
 """
@@ -173,7 +173,7 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
 
 
 def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
-    """Rows per tile of the tile kernels: M = rows x group near TILE_M (half for fp32 dots, whose operands
+    """Rows per tile of the tile kernel: M = rows x group near TILE_M (half for fp32 dots, whose operands
     need twice the shared memory), the union's pairwise dedup <= 256 ids."""
     gp, topk_pad = next_pow2(group), max(2, next_pow2(topk))
     tq = max(1, min((TILE_M // 2 if dot_f32 else TILE_M) // gp, 256 // topk_pad, 64))  # <= 64: bits of an int64
