@@ -59,13 +59,15 @@ def _store_block_scores(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, lo, hi, 
 
 
 @triton.jit
-def score_request_split(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb, width, num_pages, sc_ptr, sc_sh,
-                        sc_st, seq_ptr, DQL, HKV, tile, b, split, SPLITS, BLOCK_M: tl.constexpr,
-                        HKV_PAD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr,
-                        K_FP8: tl.constexpr):
-    """Write the block scores sc[g, row, block] of decode request b's rows of tile ``tile`` (BLOCK_M / HKV_PAD
-    rows x all index heads) over the split-th of SPLITS shares of its visible blocks."""
+def _block_scores_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb, width, num_pages,
+                         sc_ptr, sc_sh, sc_st, seq_ptr, DQL, SPLITS, HKV,
+                         BLOCK_M: tl.constexpr, HKV_PAD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                         DOT_F32: tl.constexpr, K_FP8: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producer(PDL)
     ROWS: tl.constexpr = BLOCK_M // HKV_PAD
+    tile = tl.program_id(0)
+    b = tl.program_id(1)
+    split = tl.program_id(2)
     row0 = b * DQL
     first = tl.load(seq_ptr + b) - DQL
     m = tl.arange(0, BLOCK_M)
@@ -103,47 +105,22 @@ def score_request_split(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_s
 
 
 @triton.jit
-def _block_scores_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb, width, num_pages,
-                         sc_ptr, sc_sh, sc_st, seq_ptr, DQL, SPLITS, HKV,
-                         BLOCK_M: tl.constexpr, HKV_PAD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                         DOT_F32: tl.constexpr, K_FP8: tl.constexpr, PDL: tl.constexpr):
-    wait_for_producer(PDL)
-    score_request_split(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb, width, num_pages, sc_ptr, sc_sh,
-                        sc_st, seq_ptr, DQL, HKV, tl.program_id(0), tl.program_id(1), tl.program_id(2), SPLITS,
-                        BLOCK_M, HKV_PAD, BS, D, DOT_F32, K_FP8)
-
-
-@triton.jit
-def select_row_blocks(sc_row_ptr, own, width, LOCAL, INIT, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-                      NB_PAD: tl.constexpr):
-    """int32 [TOPK_PAD]: the blocks picked from one row's scores (own block ``own``, -1 for no row), -1 in
-    unused slots. Repeated max over packed keys, so forced blocks, NaN and ties need no sort."""
-    blk = tl.arange(0, NB_PAD)
-    kk = tl.arange(0, TOPK_PAD)
-    # .cg: the scores may come from other programs of the same launch (the fused decode step), never from L1
-    s = tl.load(sc_row_ptr + blk, mask=(blk <= own) & (blk < width), other=0.0, cache_modifier=".cg")
-    packed = packed_block_key(s, blk, own, LOCAL, INIT, NB_PAD)
-    ids = tl.full([TOPK_PAD], -1, tl.int32)
-    for r in range(TOPK):
-        best = tl.max(packed, axis=0)
-        pick = block_of_key(best, NB_PAD)
-        ids = tl.where(kk == r, tl.where(best > 0, pick, -1).to(tl.int32), ids)
-        packed = tl.where(blk == pick, 0, packed)
-    return ids
-
-
-@triton.jit
 def _select_topk_kernel(sc_ptr, sc_sh, sc_st, out_ptr, o_sh, o_st, o_sk, seq_ptr, width, DQL, LOCAL, INIT,
-                        BS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, NB_PAD: tl.constexpr,
-                        PDL: tl.constexpr):
+                        BS: tl.constexpr, TOPK: tl.constexpr, NB_PAD: tl.constexpr, PDL: tl.constexpr):
     wait_for_producer(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
     p = tl.load(seq_ptr + t // DQL) - DQL + t % DQL
-    ids = select_row_blocks(sc_ptr + g * sc_sh + t * sc_st, tl.where(p >= 0, p // BS, -1), width, LOCAL, INIT, TOPK,
-                            TOPK_PAD, NB_PAD)
-    kk = tl.arange(0, TOPK_PAD)
-    tl.store(out_ptr + g * o_sh + t * o_st + kk * o_sk, ids, mask=kk < TOPK)
+    c = tl.where(p >= 0, p // BS, -1)
+    blk = tl.arange(0, NB_PAD)
+    s = tl.load(sc_ptr + g * sc_sh + t * sc_st + blk, mask=(blk <= c) & (blk < width), other=0.0)
+    packed = packed_block_key(s, blk, c, LOCAL, INIT, NB_PAD)
+    row = out_ptr + g * o_sh + t * o_st
+    for r in range(TOPK):
+        best = tl.max(packed, axis=0)
+        pick = block_of_key(best, NB_PAD)
+        tl.store(row + r * o_sk, tl.where(best > 0, pick, -1).to(tl.int32))
+        packed = tl.where(blk == pick, 0, packed)
 
 
 @triton.jit
@@ -289,5 +266,5 @@ def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_
     _select_topk_kernel[(num_tokens, kv_heads)](
         scores, scores.stride(0), scores.stride(1), out, out.stride(0), out.stride(1), out.stride(2),
         seq_lens, width, decode_query_len, local_blocks, init_blocks, BS=bs, TOPK=topk,
-        TOPK_PAD=max(2, next_pow2(topk)), NB_PAD=max(16, next_pow2(width)), PDL=pdl, num_warps=4, launch_pdl=pdl)
+        NB_PAD=max(16, next_pow2(width)), PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out

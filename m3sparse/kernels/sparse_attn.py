@@ -22,51 +22,6 @@ from .sparse_attn_tiles import _sparse_attn_tiles_kernel
 
 
 @triton.jit
-def attend_row_blocks(q, ids, own, p, lo, hi, bt_row_ptr, width, num_pages, kv_ptr, kv_sp, kv_sh, kv_ss, g, ks_ptr,
-                      ks_sh, vs_ptr, vs_sh, scale, v_factor, BLOCK_H: tl.constexpr, BS: tl.constexpr,
-                      D: tl.constexpr, TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
-                      DOT_F32: tl.constexpr):
-    """Online softmax of one row's query heads q [BLOCK_H, D] (KV head g, position p, own block ``own``) over
-    its ids[lo:hi] (int32 [TOPK_PAD]). Each in-range id counts once (its first occurrence); the rest are never
-    dereferenced. Returns (m, l, acc) with scores in natural-log units."""
-    kk = tl.arange(0, TOPK_PAD)
-    earlier = kk[None, :] < kk[:, None]
-    dup = tl.max((earlier & (ids[None, :] == ids[:, None])).to(tl.int32), axis=1) > 0
-    valid = (ids >= 0) & (ids <= own) & (ids < width) & ~dup
-    d = tl.arange(0, D)
-    j = tl.arange(0, BS)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
-    k_mult = scale
-    if K_SCALE == 1:
-        k_mult = k_mult * tl.load(ks_ptr)
-    # No branch in the loop body: ignored ids become fully masked blocks (nothing is loaded for them), so the
-    # compiler can keep the next block's loads in flight while this one is reduced.
-    for i in range(lo, hi):
-        pick = kk == i
-        blk = tl.sum(tl.where(pick, ids, 0), axis=0)
-        kept = tl.sum((pick & valid).to(tl.int32), axis=0) > 0
-        page = tl.load(bt_row_ptr + blk, mask=kept, other=-1)
-        use = (page >= 0) & (page < num_pages)
-        page = tl.where(use, page, 0).to(tl.int64)
-        # (j < limit) rather than "& use": the interpreter rejects a scalar bool broadcast into a mask
-        seen = ((blk * BS + j) <= p) & (j < tl.where(use, BS, 0))
-        slot = page * BS + j
-        base = kv_ptr + page * kv_sp + g * kv_sh + j[:, None] * kv_ss + d[None, :]
-        k = tl.load(base, mask=seen[:, None], other=0.0)
-        v = tl.load(base + D, mask=seen[:, None], other=0.0)
-        m_i, l_i, acc = attend_keys(q, k, v, seen[None, :], m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
-                                    vs_ptr + g * vs_sh + slot, seen, K_SCALE, V_SCALE, DOT_F32, False)
-    v_mult = v_factor
-    if V_SCALE == 1:
-        v_mult = v_mult * tl.load(vs_ptr)
-    return m_i, l_i, acc * v_mult
-
-
-@triton.jit
 def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr, id_sh, id_st, id_sk,
                         bt_ptr, bt_sb, width, num_pages, seq_ptr, DQL, cu_ptr, ctx_ptr, BATCH,
                         ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor,
@@ -95,16 +50,48 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
             skip = tl.load(count_ptr + tile_id, mask=inb, other=MAX_UNION + 1) <= MAX_UNION
     if not skip:
         c = tl.where(p >= 0, p // BS, -1)
+
+        # The row's ids: keep each in-range id once (the first occurrence); never dereference the rest.
         kk = tl.arange(0, TOPK_PAD)
         ids = tl.load(ids_ptr + g * id_sh + t * id_st + kk * id_sk, mask=kk < TOPK, other=-1)
+        earlier = kk[None, :] < kk[:, None]
+        dup = tl.max((earlier & (ids[None, :] == ids[:, None])).to(tl.int32), axis=1) > 0
+        valid = (ids >= 0) & (ids <= c) & (ids < width) & ~dup
+
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, D)
+        j = tl.arange(0, BS)
         q = tl.load(q_ptr + t * q_st + (g * G + h)[:, None] * q_sh + d[None, :], mask=(h < G)[:, None], other=0.0)
-        lo = split * tl.cdiv(TOPK, SPLITS)
-        hi = tl.minimum(TOPK, lo + tl.cdiv(TOPK, SPLITS))
-        m_i, l_i, acc = attend_row_blocks(q, ids, c, p, lo, hi, bt_ptr + b * bt_sb, width, num_pages, kv_ptr, kv_sp,
-                                          kv_sh, kv_ss, g, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, BLOCK_H,
-                                          BS, D, TOPK_PAD, K_SCALE, V_SCALE, DOT_F32)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, D], tl.float32)
+        k_mult = scale
+        v_mult = v_factor
+        if K_SCALE == 1:
+            k_mult = k_mult * tl.load(ks_ptr)
+        if V_SCALE == 1:
+            v_mult = v_mult * tl.load(vs_ptr)
+        per_split = tl.cdiv(TOPK, SPLITS)
+        # No branch in the loop body: ignored ids become fully masked blocks (nothing is loaded for them), so the
+        # compiler can keep the next block's loads in flight while this one is reduced.
+        for i in range(split * per_split, tl.minimum(TOPK, (split + 1) * per_split)):
+            pick = kk == i
+            blk = tl.sum(tl.where(pick, ids, 0), axis=0)
+            kept = tl.sum((pick & valid).to(tl.int32), axis=0) > 0
+            page = tl.load(bt_ptr + b * bt_sb + blk, mask=kept, other=-1)
+            use = (page >= 0) & (page < num_pages)
+            page = tl.where(use, page, 0).to(tl.int64)
+            # (j < limit) rather than "& use": the interpreter rejects a scalar bool broadcast into a mask
+            seen = ((blk * BS + j) <= p) & (j < tl.where(use, BS, 0))
+            slot = page * BS + j
+            base = kv_ptr + page * kv_sp + g * kv_sh + j[:, None] * kv_ss + d[None, :]
+            k = tl.load(base, mask=seen[:, None], other=0.0)
+            v = tl.load(base + D, mask=seen[:, None], other=0.0)
+            m_i, l_i, acc = attend_keys(q, k, v, seen[None, :], m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
+                                        vs_ptr + g * vs_sh + slot, seen, K_SCALE, V_SCALE, DOT_F32, False)
+        acc = acc * v_mult
         heads = g * G + h
         if WRITE_OUT:
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
