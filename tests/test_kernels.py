@@ -290,6 +290,25 @@ def test_prefill_attention_tile_and_row_paths(target, max_union):
     assert rel_err(out, ref) <= attn_tol(target, torch.float16)
 
 
+@pytest.mark.parametrize("scale", [1e-3, 128 ** -0.5, 0.5, 4.0])
+def test_tile_kernel_at_tiny_and_large_softmax_scales(target, scale):
+    """The tile kernel's online softmax from nearly uniform weights (scale 1e-3) to scores spread over hundreds
+    (scale 4: the running maximum moves on most blocks)."""
+    from m3sparse.kernels.sparse_attn import sparse_attn_prefill
+    spec = dict(requests=[(200, 60), (37, 0)], heads=8, kv_heads=1, block_size=16)
+    if target == "cuda":
+        spec = dict(requests=[(5000, 900), (700, 0)], heads=16, kv_heads=1, block_size=128)
+    batch = make_batch(**spec, q_dtype=act_dtype(target), kv_dtype=torch.float16, seed=int(scale * 1000) % 89,
+                       device=device_of(target))
+    ids = batch.index_prefill(impl=reference, topk=4)
+    out = torch.full_like(batch.q, float("nan"))
+    sparse_attn_prefill(batch.q, batch.kv_cache, ids, batch.block_table, **batch.prefill_meta(), scale=scale,
+                        out=out, k_scale=batch.k_scale, v_scale=batch.v_scale, max_union=10**6)
+    ref = batch.attn_prefill(ids, impl=reference, scale=scale)
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    assert rel_err(out, ref) <= attn_tol(target, torch.float16)
+
+
 # --------------------------------------------------------------------------------------- attention
 @pytest.mark.parametrize("name", list(SMALL_CASES) + list(GPU_CASES))
 @pytest.mark.parametrize("kv_dtype, layout, scale_kind", [
