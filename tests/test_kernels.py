@@ -161,7 +161,8 @@ def cases_for(target):
 
 
 @pytest.mark.parametrize("name", list(SMALL_CASES) + list(GPU_CASES))
-@pytest.mark.parametrize("selection", [(16, 1, 0), (3, 1, 0), (5, 2, 1)])
+# (4, 0, 0): the own block is not forced and competes on its score
+@pytest.mark.parametrize("selection", [(16, 1, 0), (3, 1, 0), (5, 2, 1), (4, 0, 0)])
 def test_index_topk_matches_reference(target, name, selection):
     if name not in cases_for(target):
         pytest.skip("case sized for the other target")
@@ -223,6 +224,31 @@ def test_fp8_index_keys_score_any_queries(target, decode, queries):
     got = run(out=poisoned_ids(batch.kv_heads, batch.q.shape[0], 6, batch.q.device), **sel)
     assert_same_selection(batch, got.cpu(), run(impl=reference, **sel).cpu(), **sel,
                           tol=2e-2 if target == "cuda" else 1e-4)
+
+
+@pytest.mark.parametrize("ctx", [100, 111, 112])
+def test_index_prefill_never_scores_keys_after_the_row(target, ctx):
+    """local_blocks=0, so a row's own block competes on the keys the row can see. Keys of block 6 from position
+    101 on score 1000, blocks 0-5 score 10, keys 96-100 score 0: a row picks block 6 iff it sits at >= 101
+    (rows in block 7 and later see all of block 6). Chunks start mid-block, at the block's last key, and on a
+    block boundary."""
+    device, dtype = device_of(target), act_dtype(target)
+    bs, new, dim = 16, 20, 128
+    seq = ctx + new
+    pages = -(-seq // bs)
+    keys = torch.zeros(pages * bs, dim)
+    keys[:96, 0] = 10.0
+    keys[101:112, 0] = 1000.0
+    index_cache = keys.view(pages, bs, dim).to(dtype).to(device)
+    index_q = torch.zeros(new, 1, dim, dtype=dtype, device=device)
+    index_q[:, 0, 0] = 1.0
+    i32 = dict(dtype=torch.int32, device=device)
+    table = torch.arange(pages, **i32)[None]
+    ids = m3sparse.index_topk_prefill(index_q, index_cache, table, torch.tensor([0, new], **i32),
+                                      torch.tensor([seq], **i32), torch.tensor([ctx], **i32), new, topk=4,
+                                      local_blocks=0, init_blocks=0)
+    picked = [6 in row for row in ids[0].tolist()]
+    assert picked == [ctx + r >= 101 for r in range(new)]
 
 
 @pytest.mark.parametrize("block_m, splits", [(16, 4), (64, 2), (32, 1)])
