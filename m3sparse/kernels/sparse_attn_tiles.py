@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .online_softmax import attend_keys
-from .rows import locate_prefill
+from .rows import locate_prefill, prefill_request_rows
 
 
 @triton.jit
@@ -122,10 +122,11 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
     g = tl.program_id(1)
     b, first_tile = locate_prefill(i, cu_ptr, BATCH, TQ, True)
     if b < BATCH:  # the grid's tail has no tile
-        req_row0 = tl.load(cu_ptr + b)
-        row0 = req_row0 + (i - first_tile) * TQ
-        nrows = tl.load(cu_ptr + b + 1) - row0
-        first = tl.load(ctx_ptr + b) + row0 - req_row0
+        req_row0, req_rows, req_first = prefill_request_rows(b, cu_ptr, ctx_ptr)
+        before = (i - first_tile) * TQ  # rows of the request before this tile
+        row0 = req_row0 + before
+        nrows = req_rows - before
+        first = req_first + before
         tile_id = i * HKV + g
         entries = union_ptr + tile_id * 3 * N
         count = _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_ptr + b * bt_sb, width, num_pages, g,
