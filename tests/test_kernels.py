@@ -363,9 +363,12 @@ def test_sparse_attn_matches_reference(target, name, kv_dtype, layout, scale_kin
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("splits", [1, 3, 16])
-def test_decode_attention_splits(target, splits, kv_dtype):
-    """Decode rows split over 1, 3 and 16 programs and merged exactly, against the reference; padding rows 0.
-    (One split on the GPU with 16-bit or fp8 dots is the three-stage launch.)"""
+@pytest.mark.parametrize("rows_together", [False, True])
+def test_decode_attention_splits(target, splits, kv_dtype, rows_together):
+    """Speculative decode rows, each row split over 1, 3 and 16 programs (per-row kernel) or each request's
+    rows as one tile whose block union is split over 1, 3 and 16 programs (tile kernel), merged exactly, against
+    the reference; padding rows 0. (One per-row split on the GPU with 16-bit or fp8 dots is the three-stage
+    launch.)"""
     from m3sparse.kernels.sparse_attn import sparse_attn_decode
     name = "speculative-edge" if target != "cuda" else "tp8-spec-decode"
     spec = dict(cases_for(target)[name], q_dtype=act_dtype(target))
@@ -375,7 +378,7 @@ def test_decode_attention_splits(target, splits, kv_dtype):
     meta = batch.decode_meta()
     out = torch.full_like(batch.q, float("nan"))
     sparse_attn_decode(batch.q, batch.kv_cache, ids, batch.block_table, meta["seq_lens"], meta["decode_query_len"],
-                       128 ** -0.5, out, batch.k_scale, batch.v_scale, splits=splits)
+                       128 ** -0.5, out, batch.k_scale, batch.v_scale, splits=splits, rows_together=rows_together)
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
     assert rel_err(out, ref) <= attn_tol(target, kv_dtype)
     pad = [t for t, (b, _) in enumerate(batch.rows) if b < 0]
@@ -397,6 +400,30 @@ def test_adversarial_and_permuted_ids(target):
     buf[:5] = ids.transpose(0, 1).flip(-1)
     got2 = batch.attn_prefill(buf[:5].transpose(0, 1))
     assert rel_err(got2, got) <= 1e-5 if target != "cuda" else rel_err(got2, got) <= 1e-2
+
+
+@pytest.mark.parametrize("rows_together", [False, True])
+def test_adversarial_ids_in_speculative_decode(target, rows_together):
+    """Decode rows of one request with duplicate, negative, huge and future ids (the tile kernel's union must
+    drop them as the per-row kernel does), rows sharing most blocks, a request whose first rows sit at negative
+    positions, and a padding request."""
+    from m3sparse.kernels.sparse_attn import sparse_attn_decode
+    dev = device_of(target)
+    batch = make_batch([(16 * 9 + 1, 3), (20, 3), (-1, 3), (-3, 3)], heads=4, kv_heads=2, block_size=16,
+                       q_dtype=act_dtype(target), decode_query_len=3, seed=11, device=dev)
+    bad = torch.tensor([[3, 3, -1, 9, 10, 2**31 - 1, -2**31, 0, 1, 1, 5],
+                        [9, 100, -7, 5, 5, 5, 1, 9, 0, 2, 4],
+                        [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], dtype=torch.int32, device=dev)
+    ids = bad[None, torch.arange(12, device=dev) % 3].expand(2, 12, 11).clone()
+    ids[1] = ids[1].roll(1, dims=0)  # the second KV head's rows pick other sets
+    meta = batch.decode_meta()
+    out = torch.full_like(batch.q, float("nan"))
+    sparse_attn_decode(batch.q, batch.kv_cache, ids, batch.block_table, meta["seq_lens"], meta["decode_query_len"],
+                       128 ** -0.5, out, batch.k_scale, batch.v_scale, splits=2, rows_together=rows_together)
+    ref = batch.attn_decode(ids, impl=reference)
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    assert rel_err(out, ref) <= attn_tol(target, torch.float16)
+    assert (out[9:] == 0).all()  # the padding request (no context)
 
 
 def test_chunked_prefill_equals_full_prefill(target):

@@ -126,6 +126,8 @@ def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, H, SPLITS: tl
 
 # Tile kernel launch: M = 64 rows (4 tokens x 16 heads), 64-key chunks, 3 stages (H200 sweep: docs/perf-notes.md)
 TILE_M, TILE_WARPS, TILE_STAGES, TILE_BLOCK_N = 64, 4, 3, 64
+# Decode tiles: split each request's union over about two programs per SM (the tile kernel's shared memory fits two).
+TILE_PROGRAMS = 264
 
 
 class _Scales:
@@ -147,12 +149,7 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
     num_pages, kv_heads, bs, _ = kv_cache.shape
     topk = topk_ids.shape[2]
     splits = max(1, min(splits, topk))
-    if splits > 1:
-        m = torch.empty((num_tokens, splits, num_heads), dtype=torch.float32, device=q.device)
-        l = torch.empty_like(m)
-        acc = torch.empty((num_tokens, splits, num_heads, dim), dtype=torch.float32, device=q.device)
-    else:
-        m = l = acc = out
+    m, l, acc = _split_partials(out, splits)
     cu, ctx = prefill if prefill is not None else (seq_lens, seq_lens)
     dot_f32 = dot_in_fp32(q.dtype, kv_cache.dtype)
     block_h = max(16, next_pow2(num_heads // kv_heads))
@@ -171,11 +168,27 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
         BLOCK_H=block_h, BS=bs, D=dim, TOPK=topk, TOPK_PAD=max(2, next_pow2(topk)),
         K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
         WRITE_OUT=splits == 1, PDL=pdl, num_warps=4, num_stages=stages, launch_pdl=pdl)
+    _merge_split_partials(m, l, acc, out, splits, pdl)
+    return out
+
+
+def _split_partials(out, splits):
+    """(max, sum, accumulator) buffers [T, splits, H(, D)] fp32 for a launch of ``splits`` > 1 splits per row;
+    ``out`` itself (written directly) for one."""
+    if splits == 1:
+        return out, out, out
+    num_tokens, num_heads, dim = out.shape
+    m = torch.empty((num_tokens, splits, num_heads), dtype=torch.float32, device=out.device)
+    return m, torch.empty_like(m), torch.empty((num_tokens, splits, num_heads, dim), dtype=torch.float32,
+                                               device=out.device)
+
+
+def _merge_split_partials(m, l, acc, out, splits, pdl):
     if splits > 1:
+        num_tokens, num_heads, dim = out.shape
         _merge_splits_kernel[(num_tokens, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_heads,
                                                       SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim, PDL=pdl,
                                                       launch_pdl=pdl)
-    return out
 
 
 def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
@@ -186,25 +199,32 @@ def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
     return max(tq, 16 // gp)
 
 
-def _tile_attn(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, tq, sc, out, max_union, dot_f32):
-    """The tile kernel over tiles whose block union <= max_union. Returns the union sizes [tiles, Hkv]."""
+def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32, prefill=None,
+               decode=None, splits=1, pdl=False):
+    """The tile kernel over tiles whose block union <= max_union. Prefill: ``prefill`` = (cu_seqlens_q,
+    context_lens); decode: ``decode`` = (seq_lens, decode_query_len), one tile of tq >= decode_query_len rows
+    per request, its union split over ``splits`` programs. Returns the union sizes [tiles, Hkv]."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     batch = block_table.shape[0]
     topk = topk_ids.shape[2]
     topk_pad = max(2, next_pow2(topk))
     group = num_heads // kv_heads
-    tiles = triton.cdiv(num_tokens, tq) + batch  # bounds the tile count whatever the query lengths
-    union = torch.empty((tiles, kv_heads, 3, tq * topk_pad), dtype=torch.int64, device=q.device)
+    cu, ctx = prefill if prefill is not None else (decode[0], decode[0])
+    seq_lens, dql = decode if decode is not None else (cu, 0)
+    union = torch.empty((tiles, kv_heads, splits, 3, tq * topk_pad), dtype=torch.int64, device=q.device)
     counts = torch.empty((tiles, kv_heads), dtype=torch.int32, device=q.device)
-    _sparse_attn_tiles_kernel[(tiles, kv_heads)](
+    m, l, acc = _split_partials(out, splits)
+    _sparse_attn_tiles_kernel[(tiles, kv_heads, splits)](
         q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_ids.stride(2), block_table, block_table.stride(0),
-        block_table.shape[1], num_pages, union, counts, cu_seqlens_q, context_lens, batch, kv_heads, max_union,
-        sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, out, out.stride(0), out.stride(1), G=group,
-        GP=next_pow2(group), TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N), D=dim, TOPK=topk,
-        TOPK_PAD=topk_pad, K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32, num_warps=TILE_WARPS,
-        num_stages=1 if dot_f32 else TILE_STAGES)
+        block_table.shape[1], num_pages, union, counts, cu, ctx, seq_lens, dql, batch, kv_heads, max_union,
+        sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, out, out.stride(0), out.stride(1), m, l, acc, splits,
+        G=group, GP=next_pow2(group), TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N), D=dim,
+        TOPK=topk, TOPK_PAD=topk_pad, K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
+        IS_DECODE=decode is not None, WRITE_OUT=splits == 1, PDL=pdl, num_warps=TILE_WARPS,
+        num_stages=1 if dot_f32 else TILE_STAGES, launch_pdl=pdl)
+    _merge_split_partials(m, l, acc, out, splits, pdl)
     return counts
 
 
@@ -222,24 +242,42 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
         max_union = tq * topk * 11 // 16
     tiled = None
     if block_table.shape[0] and max_query_len:
-        counts = _tile_attn(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, tq, sc, out, max_union,
-                            dot_f32)
+        tiles = triton.cdiv(q.shape[0], tq) + block_table.shape[0]  # bounds the tile count whatever the lengths
+        counts = _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32,
+                            prefill=(cu_seqlens_q, context_lens))
         tiled = (counts, tq, max_union)
     return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, 0, sc, out, 1, (cu_seqlens_q, context_lens),
                      tiled)
 
 
 def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, scale, out, k_scale,
-                       v_scale, splits=None):
+                       v_scale, splits=None, rows_together=None):
+    """``splits``: programs per row (per-row kernel) or per request (tile kernel); ``rows_together``: whether the
+    speculative rows of a request go through the tile kernel (None: when they fit one tile)."""
     if q.shape[0] == 0:
         return out
     sc = _Scales(q, kv_cache, scale, k_scale, v_scale)
-    # Few rows cannot fill the GPU: split each row's blocks across programs and merge exactly.
-    # Targets measured on the H200 (132 SMs): two programs per SM for tiny batches, one for larger ones.
     kv_heads = kv_cache.shape[1]
+    topk = topk_ids.shape[2]
+    pdl = chained_launch(q.device, q.shape[0])
+    dot_f32 = dot_in_fp32(q.dtype, kv_cache.dtype)
+    tq = next_pow2(decode_query_len)
+    fits = decode_query_len > 1 and tq <= rows_per_tile(q.shape[1] // kv_heads, topk, dot_f32)
+    if rows_together if rows_together is not None else fits:
+        if not fits:
+            raise ValueError(f"decode_query_len={decode_query_len} rows do not fit one tile of the tile kernel")
+        # One tile per request: each block of the request's union is loaded once for all its rows.
+        batch = seq_lens.shape[0]
+        if splits is None:
+            splits = triton.cdiv(TILE_PROGRAMS, batch * kv_heads)
+        _tile_attn(q, kv_cache, topk_ids, block_table, batch, tq, sc, out, tq * max(2, next_pow2(topk)), dot_f32,
+                   decode=(seq_lens, decode_query_len), splits=max(1, min(splits, topk)), pdl=pdl)
+        return out
+    # Few rows cannot fill the GPU: split each row's blocks across programs and merge exactly.
+    # Targets measured on the H200 (132 SMs): two programs per SM for tiny batches; once the rows give about one
+    # program per SM, one split of all k blocks with three stages (128 x 32k: 41.2 -> 38.3 us against two splits).
     num_programs = q.shape[0] * kv_heads
     target = 264 if num_programs < 64 else 132
     if splits is None:
-        splits = 1 if num_programs >= target else triton.cdiv(target, num_programs)
-    return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits,
-                     pdl=chained_launch(q.device, q.shape[0]))
+        splits = 1 if num_programs >= 120 else triton.cdiv(target, num_programs)
+    return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, pdl=pdl)

@@ -1,18 +1,22 @@
 """Sparse attention over query tiles that load each selected KV block once for all the rows that chose it.
 
-A tile is TQ consecutive rows of one request with all the query heads of one KV head: M = TQ x group rows.
+A tile is TQ consecutive rows of one request with all the query heads of one KV head: M = TQ x group rows (in
+decode, the request's decode_query_len speculative rows).
 Each program of ``_sparse_attn_tiles_kernel`` first writes the distinct valid block ids of its (tile, KV head),
 their pages and which rows chose them, then walks that union with an online softmax, each block's keys
 masked per row to the rows that selected it (and causally), so a block shared by the tile's rows costs one load and one
 M-row dot instead of one per row. The useful fraction of its work is TQ x k / (union size): high when
 neighbouring tokens overlap (the own block always does), low for unrelated selections, where the per-row
-kernel wins; the launcher hands tiles whose union is larger than ``max_union`` to the per-row kernel.
+kernel wins; the launcher hands tiles whose union is larger than ``max_union`` to the per-row kernel. In
+decode a tile's union is split over SPLITS programs whose partial (max, sum, accumulator) triples are merged
+like the per-row kernel's splits.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from .dependent_launch import wait_for_producer
 from .online_softmax import attend_keys
 from .rows import locate_prefill, prefill_request_rows
 
@@ -35,7 +39,7 @@ def _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_row_ptr, width,
     N: tl.constexpr = TQ * TOPK_PAD
     e, r, k, pos, live = _tile_lanes(first, nrows, N, TOPK_PAD, TOPK)
     ids = tl.load(ids_ptr + g * id_sh + (row0 + r) * id_st + k * id_sk, mask=live, other=-1)
-    ok = live & (ids >= 0) & (ids <= pos // BS) & (ids < width)
+    ok = live & (pos >= 0) & (ids >= 0) & (ids <= pos // BS) & (ids < width)
     ids = tl.where(ok, ids, -1)
     same = (ids[None, :] == ids[:, None]) & ok[None, :]
     earlier = same & (e[None, :] < e[:, None])
@@ -55,11 +59,14 @@ def _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_row_ptr, width,
 
 
 @triton.jit
-def _attend_union(entries, count, q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr, vs_sh, scale,
-                  v_factor, o_ptr, o_st, o_sh, g, row0, nrows, first, G: tl.constexpr, GP: tl.constexpr,
-                  TQ: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, N: tl.constexpr,
-                  K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr):
-    """Attention of the tile's rows (all query heads of KV head g) over the count blocks listed at entries."""
+def _attend_union(entries, lo, hi, q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr, vs_sh,
+                  scale, v_factor, o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, part0, part_st, g, row0, nrows, first,
+                  G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  D: tl.constexpr, N: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
+                  DOT_F32: tl.constexpr, WRITE_OUT: tl.constexpr):
+    """Attention of the tile's rows (all query heads of KV head g) over the union blocks lo..hi-1 listed at
+    entries. WRITE_OUT: the rows' output; else their partial triple at m/l/acc_ptr + part0 + row * part_st +
+    head (the max in natural-log units, as the per-row kernel's)."""
     M: tl.constexpr = TQ * GP
     _, r, h, pos, live = _tile_lanes(first, nrows, M, GP, G)
     t = row0 + r
@@ -80,7 +87,7 @@ def _attend_union(entries, count, q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss
         v_mult = v_mult * tl.load(vs_ptr)
     # Each block is walked in BS / BLOCK_N key chunks (smaller chunks leave shared memory for more stages).
     SUB: tl.constexpr = BS // BLOCK_N
-    for chunk in range(0, count * SUB):
+    for chunk in range(lo * SUB, hi * SUB):
         u = chunk // SUB
         j = (chunk % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
         # int32 key positions: the [M, BLOCK_N] causal compare in int64 cost ~40 more instructions per chunk
@@ -102,38 +109,64 @@ def _attend_union(entries, count, q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss
         m_i, l_i, acc = attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
                                     vs_ptr + g * vs_sh + slot, loaded, K_SCALE, V_SCALE, DOT_F32, True)
     acc = acc * v_mult
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(o_ptr + t[:, None] * o_st + heads[:, None] * o_sh + d[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=live[:, None])
+    if WRITE_OUT:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + t[:, None] * o_st + heads[:, None] * o_sh + d[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=live[:, None])
+    else:
+        part = part0 + r * part_st + heads
+        tl.store(m_ptr + part, m_i * 0.6931471805599453, mask=live)  # log2 -> natural-log units
+        tl.store(l_ptr + part, l_i, mask=live)
+        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=live[:, None])
 
 
 @triton.jit
 def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr, id_sh, id_st, id_sk, bt_ptr,
-                              bt_sb, width, num_pages, union_ptr, count_ptr, cu_ptr, ctx_ptr, BATCH, HKV, MAX_UNION,
-                              ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st, o_sh, G: tl.constexpr,
-                              GP: tl.constexpr, TQ: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                              D: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr,
-                              V_SCALE: tl.constexpr, DOT_F32: tl.constexpr):
-    """One program per (query tile, KV head): write the tile's block union (union_ptr: per-program scratch
-    [tiles, Hkv, 3, N]) and its size (count_ptr [tiles, Hkv]: the per-row kernel computes the tiles over
-    MAX_UNION), then attend over the union if it has at most MAX_UNION blocks."""
+                              bt_sb, width, num_pages, union_ptr, count_ptr, cu_ptr, ctx_ptr, seq_ptr, DQL, BATCH, HKV,
+                              MAX_UNION, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st, o_sh, m_ptr,
+                              l_ptr, acc_ptr, SPLITS, G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr,
+                              BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
+                              TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
+                              DOT_F32: tl.constexpr, IS_DECODE: tl.constexpr, WRITE_OUT: tl.constexpr,
+                              PDL: tl.constexpr):
+    """One program per (query tile, KV head, split): write the tile's block union (union_ptr: per-program
+    scratch [tiles, Hkv, SPLITS, 3, N]) and its size (count_ptr [tiles, Hkv]: the per-row kernel computes the
+    prefill tiles over MAX_UNION), then attend over the split's share of the union if it has at most MAX_UNION
+    blocks. Decode: tile b is request b's DQL rows (positions seq_lens[b] - DQL ...); with SPLITS > 1 the
+    partials go to m/l/acc_ptr [T, SPLITS, H(, D)]."""
+    wait_for_producer(PDL)
     N: tl.constexpr = TQ * TOPK_PAD
     i = tl.program_id(0)
     g = tl.program_id(1)
-    b, first_tile = locate_prefill(i, cu_ptr, BATCH, TQ, True)
-    if b < BATCH:  # the grid's tail has no tile
-        req_row0, req_rows, req_first = prefill_request_rows(b, cu_ptr, ctx_ptr)
-        before = (i - first_tile) * TQ  # rows of the request before this tile
-        row0 = req_row0 + before
-        nrows = req_rows - before
-        first = req_first + before
+    split = tl.program_id(2)
+    if IS_DECODE:
+        b = i
+        first_tile = i
+    else:
+        b, first_tile = locate_prefill(i, cu_ptr, BATCH, TQ, True)
+    if b < BATCH:  # the prefill grid's tail has no tile
+        if IS_DECODE:
+            row0 = b * DQL
+            nrows = DQL
+            first = tl.load(seq_ptr + b) - DQL
+        else:
+            req_row0, req_rows, req_first = prefill_request_rows(b, cu_ptr, ctx_ptr)
+            before = (i - first_tile) * TQ  # rows of the request before this tile
+            row0 = req_row0 + before
+            nrows = req_rows - before
+            first = req_first + before
         tile_id = i * HKV + g
-        entries = union_ptr + tile_id * 3 * N
+        entries = union_ptr + (tile_id * SPLITS + split) * 3 * N
         count = _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_ptr + b * bt_sb, width, num_pages, g,
                                    row0, nrows, first, TQ, TOPK, TOPK_PAD, BS)
-        tl.store(count_ptr + tile_id, count)
+        if split == 0:
+            tl.store(count_ptr + tile_id, count)
         tl.debug_barrier()  # every thread's entries are visible to the whole program before they are read back
         if count <= MAX_UNION:
-            _attend_union(entries, count, q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr,
-                          vs_sh, scale, v_factor, o_ptr, o_st, o_sh, g, row0, nrows, first, G, GP, TQ, BS, BLOCK_N,
-                          D, N, K_SCALE, V_SCALE, DOT_F32)
+            per_split = tl.cdiv(count, SPLITS)
+            lo = tl.minimum(split * per_split, count)
+            part0 = row0 * SPLITS * G * HKV + split * G * HKV
+            _attend_union(entries, lo, tl.minimum(count, lo + per_split), q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh,
+                          kv_ss, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st, o_sh, m_ptr, l_ptr,
+                          acc_ptr, part0, SPLITS * G * HKV, g, row0, nrows, first, G, GP, TQ, BS, BLOCK_N, D, N,
+                          K_SCALE, V_SCALE, DOT_F32, WRITE_OUT)
