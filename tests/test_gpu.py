@@ -54,10 +54,11 @@ def test_dependent_launch_only_for_small_decode_steps_on_hopper():
     assert not chained_launch(torch.device("cpu"), 1)
 
 
-@pytest.mark.parametrize("batch,dql", [(6, 2), (1, 1), (3, 2)])
+@pytest.mark.parametrize("batch,dql", [(6, 2), (1, 1), (3, 2), (128, 1), (130, 2)])
 def test_decode_pair_cuda_graph_replay_follows_new_inputs(batch, dql):
     """Up to CHAINED_MAX_ROWS rows the kernels chain by programmatic dependent launch (on sm_90+), above
-    they launch plainly: both under capture and replay."""
+    they launch plainly, except a one-split attention (128 rows); 130 requests x 2 rows go through the tile
+    kernel: all under capture and replay."""
     ctx_max, heads = 40_000, 16
     gen = torch.Generator(device="cuda").manual_seed(1)
     kv, ic, table, q, iq = _decode_inputs(batch, ctx_max, heads=heads, dql=dql, gen=gen)
@@ -80,7 +81,7 @@ def test_decode_pair_cuda_graph_replay_follows_new_inputs(batch, dql):
     with torch.cuda.graph(graph):
         step()
     for lens in ([1, 2047, 2048, 39_999, 0, 130], [40_000, 129, 3, 20_000, 256, 0], [7, 7, 7, 33_333, 1, 2]):
-        lens = lens[:batch]
+        lens = (lens * (batch // len(lens) + 1))[:batch]
         seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         q.copy_(torch.randn(q.shape, device="cuda", generator=gen))
         iq.copy_(torch.randn(iq.shape, device="cuda", generator=gen))
@@ -114,8 +115,13 @@ def test_adversarial_topk_buffer_memcheck():
                                       device="cuda"))
     ref = reference.sparse_attn_decode(q, kv, ids, wide, seq_lens, 3, k_scale=scales,
                                        v_scale=torch.tensor([0.5], device="cuda"))
+    # The same step with the request's rows as tiles of the tile kernel.
+    from m3sparse.kernels.sparse_attn import sparse_attn_decode
+    tiled = sparse_attn_decode(q, kv, ids, wide, seq_lens, 3, 128 ** -0.5, torch.full_like(q, float("nan")), scales,
+                               torch.tensor([0.5], device="cuda"), splits=2, rows_together=True)
     torch.cuda.synchronize()
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 3e-2
+    assert ((tiled.float() - ref.float()).norm() / ref.float().norm()).item() < 3e-2
     # The indexer never emits ids past the own block, whatever the table holds past it.
     got = m3sparse.index_topk_decode(iq, ic, wide, seq_lens, 3)
     own = (seq_lens.repeat_interleave(3) - 3 + torch.arange(batch * 3, device="cuda").remainder(3)).div(

@@ -5,7 +5,8 @@ with ``wait_for_producer``: it blocks until the kernel before it has finished an
 lets the next kernel's programs be scheduled (they sit in their own wait), so the next launch overlaps this
 kernel's work instead of following it. Because every kernel releases only after its own wait, a kernel that
 starts early can never overtake the kernel two steps back. Kernels launched without the attribute (torch ops,
-the cache writes) are waited for as usual.
+the cache writes) are waited for as usual. Larger steps launch only their attention this way when it runs one
+program per row (the next attention's programs take each SM as it frees instead of after the whole grid).
 """
 from __future__ import annotations
 
@@ -30,12 +31,17 @@ def _hopper_or_newer(index: int) -> bool:
 CHAINED_MAX_ROWS = 7
 
 
-def chained_launch(device: torch.device, rows: int) -> bool:
-    """Whether a decode step of ``rows`` query rows on ``device`` chains its kernels by programmatic dependent
-    launch: CUDA sm_90+, not interpreted, at most CHAINED_MAX_ROWS rows."""
-    if device.type != "cuda" or interpreting() or rows > CHAINED_MAX_ROWS:
+def dependent_launch_works(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can be launched dependent on the one before: CUDA sm_90+, not interpreted."""
+    if device.type != "cuda" or interpreting():
         return False
     return _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def chained_launch(device: torch.device, rows: int) -> bool:
+    """Whether a decode step of ``rows`` query rows on ``device`` chains its kernels by programmatic dependent
+    launch: at most CHAINED_MAX_ROWS rows, where dependent launch works."""
+    return rows <= CHAINED_MAX_ROWS and dependent_launch_works(device)
 
 
 @triton.jit

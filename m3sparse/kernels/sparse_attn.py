@@ -4,8 +4,9 @@ Per-row kernel: one program per (row, KV head, split); the GQA group's query hea
 dots, the split's share of the row's selected blocks is walked with an online softmax in fp32. With more than
 one split, ``_merge_splits_kernel`` combines the partial (max, sum, accumulator) triples exactly.
 Prefill also uses the tile kernel of ``sparse_attn_tiles`` (a block loaded once for all the rows of a tile
-that chose it) and hands each tile to one kernel or the other by its union size. Speculative decode rows stay
-on the per-row kernel: through the tile kernel they were slower (docs/perf-notes.md, v3).
+that chose it) and hands each tile to one kernel or the other by its union size. Speculative decode rows go
+through the tile kernel (one tile per request, its union split over programs) once there are about as many
+requests x KV heads as SMs; fewer stay on the per-row kernel, whose short programs hide latency better.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import triton.language as tl
 
 from .._validation import FP8_DTYPES
 from .common import dot_in_fp32, next_pow2, scale_args
-from .dependent_launch import chained_launch, wait_for_producer
+from .dependent_launch import chained_launch, dependent_launch_works, wait_for_producer
 from .online_softmax import attend_keys
 from .rows import locate_prefill
 from .sparse_attn_tiles import _sparse_attn_tiles_kernel
@@ -126,8 +127,11 @@ def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, H, SPLITS: tl
 
 # Tile kernel launch: M = 64 rows (4 tokens x 16 heads), 64-key chunks, 3 stages (H200 sweep: docs/perf-notes.md)
 TILE_M, TILE_WARPS, TILE_STAGES, TILE_BLOCK_N = 64, 4, 3, 64
-# Decode tiles: split each request's union over about two programs per SM (the tile kernel's shared memory fits two).
-TILE_PROGRAMS = 264
+# Decode tiles: at least this many (request, KV head) tiles, each union split over about two programs per SM
+# (the tile kernel's shared memory fits two).
+TILE_MIN_DECODE_TILES, TILE_PROGRAMS = 128, 264
+# Decode rows x KV heads from which each row's k blocks are walked by one program.
+ONE_SPLIT_PROGRAMS = 120
 
 
 class _Scales:
@@ -253,31 +257,38 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
 def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, scale, out, k_scale,
                        v_scale, splits=None, rows_together=None):
     """``splits``: programs per row (per-row kernel) or per request (tile kernel); ``rows_together``: whether the
-    speculative rows of a request go through the tile kernel (None: when they fit one tile)."""
+    speculative rows of a request go through the tile kernel (None: by the rule below)."""
     if q.shape[0] == 0:
         return out
     sc = _Scales(q, kv_cache, scale, k_scale, v_scale)
     kv_heads = kv_cache.shape[1]
     topk = topk_ids.shape[2]
-    pdl = chained_launch(q.device, q.shape[0])
     dot_f32 = dot_in_fp32(q.dtype, kv_cache.dtype)
     tq = next_pow2(decode_query_len)
     fits = decode_query_len > 1 and tq <= rows_per_tile(q.shape[1] // kv_heads, topk, dot_f32)
-    if rows_together if rows_together is not None else fits:
+    tiles = seq_lens.shape[0] * kv_heads
+    # Speculative rows as one tile per request, each block of the request's union loaded once for all its rows:
+    # from ~one tile per SM on (H200, 128 x 32k x 4 rows sharing 12 of 16 blocks: 108.8 -> 72.9 us; independent
+    # rows 127.4 -> 137.5). Fewer tiles leave the tile kernel's per-program latency exposed (32 x 128k x 4
+    # sharing: 29.2 us per row, 34.2 at best as tiles).
+    if rows_together is None:
+        rows_together = fits and tiles >= TILE_MIN_DECODE_TILES
+    if rows_together:
         if not fits:
             raise ValueError(f"decode_query_len={decode_query_len} rows do not fit one tile of the tile kernel")
-        # One tile per request: each block of the request's union is loaded once for all its rows.
-        batch = seq_lens.shape[0]
         if splits is None:
-            splits = triton.cdiv(TILE_PROGRAMS, batch * kv_heads)
-        _tile_attn(q, kv_cache, topk_ids, block_table, batch, tq, sc, out, tq * max(2, next_pow2(topk)), dot_f32,
-                   decode=(seq_lens, decode_query_len), splits=max(1, min(splits, topk)), pdl=pdl)
+            splits = TILE_PROGRAMS // tiles
+        _tile_attn(q, kv_cache, topk_ids, block_table, seq_lens.shape[0], tq, sc, out, tq * max(2, next_pow2(topk)),
+                   dot_f32, decode=(seq_lens, decode_query_len), splits=max(1, min(splits, topk)),
+                   pdl=chained_launch(q.device, q.shape[0]))
         return out
     # Few rows cannot fill the GPU: split each row's blocks across programs and merge exactly.
     # Targets measured on the H200 (132 SMs): two programs per SM for tiny batches; once the rows give about one
-    # program per SM, one split of all k blocks with three stages (128 x 32k: 41.2 -> 38.3 us against two splits).
+    # program per SM, one split of all k blocks with three stages (128 x 32k: 41.2 -> 38.3 us against two splits),
+    # launched dependent on the kernel before it (attend 37.5 -> 36.9 us, index + attend unchanged).
     num_programs = q.shape[0] * kv_heads
     target = 264 if num_programs < 64 else 132
     if splits is None:
-        splits = 1 if num_programs >= 120 else triton.cdiv(target, num_programs)
+        splits = 1 if num_programs >= ONE_SPLIT_PROGRAMS else triton.cdiv(target, num_programs)
+    pdl = chained_launch(q.device, q.shape[0]) or (splits == 1 and dependent_launch_works(q.device))
     return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, pdl=pdl)
