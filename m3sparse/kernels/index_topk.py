@@ -25,6 +25,7 @@ _EMPTY_SLOT = tl.constexpr(2**63 - 1)  # top-k columns past k: never the minimum
 _PREFILL_TARGET_PROGRAMS = 264  # two per SM of the H200
 _DECODE_MAX_PROGRAMS = 512  # decode scoring grid cap (H200 sweep, docs/perf-notes.md)
 PREFILL_BLOCK_M, PREFILL_STAGES = 64, 2  # H200 sweep (docs/perf-notes.md): 64 rows x 4 warps
+SELECT_ONE_WARP_MAX_BLOCKS = 256  # decode selection: one warp per row up to this many (padded) blocks
 
 
 @triton.jit
@@ -113,7 +114,8 @@ def _select_topk_kernel(sc_ptr, sc_sh, sc_st, out_ptr, o_sh, o_st, o_sk, seq_ptr
     p = tl.load(seq_ptr + t // DQL) - DQL + t % DQL
     c = tl.where(p >= 0, p // BS, -1)
     blk = tl.arange(0, NB_PAD)
-    s = tl.load(sc_ptr + g * sc_sh + t * sc_st + blk, mask=(blk <= c) & (blk < width), other=0.0)
+    # Not masked by c, so the load does not wait for seq_lens; the slots past c (never written) get key 0.
+    s = tl.load(sc_ptr + g * sc_sh + t * sc_st + blk, mask=blk < width, other=0.0)
     packed = packed_block_key(s, blk, c, LOCAL, INIT, NB_PAD)
     row = out_ptr + g * o_sh + t * o_st
     for r in range(TOPK):
@@ -263,8 +265,11 @@ def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_
             scores, scores.stride(0), scores.stride(1), seq_lens, decode_query_len, splits, kv_heads,
             BLOCK_M=block_m, HKV_PAD=hkv_pad, BS=bs, D=dim, DOT_F32=dot_in_fp32(index_q.dtype, index_cache.dtype),
             K_FP8=_fp8_keys(index_q.dtype, index_cache.dtype), PDL=pdl, num_warps=4, num_stages=3, launch_pdl=pdl)
+    nb_pad = max(16, next_pow2(width))
+    # One warp per row up to 256 blocks: its k reductions stay inside the warp (H200, 1 x 32k: 9.6 -> 9.0 us,
+    # 128 x 32k: 243.4 -> 242.4); at 1024 blocks four warps are faster (1 x 128k: 16.0 vs 18.0).
     _select_topk_kernel[(num_tokens, kv_heads)](
         scores, scores.stride(0), scores.stride(1), out, out.stride(0), out.stride(1), out.stride(2),
-        seq_lens, width, decode_query_len, local_blocks, init_blocks, BS=bs, TOPK=topk,
-        NB_PAD=max(16, next_pow2(width)), PDL=pdl, num_warps=4, launch_pdl=pdl)
+        seq_lens, width, decode_query_len, local_blocks, init_blocks, BS=bs, TOPK=topk, NB_PAD=nb_pad, PDL=pdl,
+        num_warps=1 if nb_pad <= SELECT_ONE_WARP_MAX_BLOCKS else 4, launch_pdl=pdl)
     return out
