@@ -153,6 +153,9 @@ GPU_CASES = {
                             block_size=128, decode_query_len=1),
     "tp8-spec-decode": dict(requests=[(70_000, 4), (2046, 4), (-4, 4)], heads=8, kv_heads=1, block_size=128,
                             decode_query_len=4, index_dtype=torch.float8_e4m3fn),
+    # <= 256 blocks: the one-warp selection
+    "tp4-decode-32k": dict(requests=[(32_000, 1), (129, 1), (3, 1), (-1, 1)], heads=16, kv_heads=1,
+                           block_size=128, decode_query_len=1),
 }
 
 
@@ -184,7 +187,7 @@ def test_index_topk_matches_reference(target, name, selection):
 
 
 @pytest.mark.parametrize("name", ["speculative-edge", "decode-many-blocks", "fp8-index-three-heads-decode",
-                                  "tp1-decode-128k", "tp8-spec-decode"])
+                                  "tp1-decode-128k", "tp8-spec-decode", "tp4-decode-32k"])
 @pytest.mark.parametrize("blocks_per_split", [1, 3, 64])
 def test_decode_index_block_splits(target, name, blocks_per_split):
     """Decode scoring with each request's blocks split over programs of 1, 3 and 64 blocks."""
