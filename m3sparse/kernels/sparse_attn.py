@@ -204,7 +204,7 @@ def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
 
 
 def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32, prefill=None,
-               decode=None, splits=1, pdl=False):
+               decode=None, splits=1):
     """The tile kernel over tiles whose block union <= max_union. Prefill: ``prefill`` = (cu_seqlens_q,
     context_lens); decode: ``decode`` = (seq_lens, decode_query_len), one tile of tq >= decode_query_len rows
     per request, its union split over ``splits`` programs. Returns the union sizes [tiles, Hkv]."""
@@ -226,9 +226,9 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
         sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, out, out.stride(0), out.stride(1), m, l, acc, splits,
         G=group, GP=next_pow2(group), TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N), D=dim,
         TOPK=topk, TOPK_PAD=topk_pad, K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
-        IS_DECODE=decode is not None, WRITE_OUT=splits == 1, PDL=pdl, num_warps=TILE_WARPS,
-        num_stages=1 if dot_f32 else TILE_STAGES, launch_pdl=pdl)
-    _merge_split_partials(m, l, acc, out, splits, pdl)
+        IS_DECODE=decode is not None, WRITE_OUT=splits == 1, num_warps=TILE_WARPS,
+        num_stages=1 if dot_f32 else TILE_STAGES)
+    _merge_split_partials(m, l, acc, out, splits, False)
     return counts
 
 
@@ -279,8 +279,7 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
         if splits is None:
             splits = TILE_PROGRAMS // tiles
         _tile_attn(q, kv_cache, topk_ids, block_table, seq_lens.shape[0], tq, sc, out, tq * max(2, next_pow2(topk)),
-                   dot_f32, decode=(seq_lens, decode_query_len), splits=max(1, min(splits, topk)),
-                   pdl=chained_launch(q.device, q.shape[0]))
+                   dot_f32, decode=(seq_lens, decode_query_len), splits=max(1, min(splits, topk)))
         return out
     # Few rows cannot fill the GPU: split each row's blocks across programs and merge exactly.
     # Targets measured on the H200 (132 SMs): two programs per SM for tiny batches; once the rows give about one

@@ -16,7 +16,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .dependent_launch import wait_for_producer
 from .online_softmax import attend_keys
 from .rows import locate_prefill, prefill_request_rows
 
@@ -127,21 +126,18 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
                               l_ptr, acc_ptr, SPLITS, G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr,
                               BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
                               TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
-                              DOT_F32: tl.constexpr, IS_DECODE: tl.constexpr, WRITE_OUT: tl.constexpr,
-                              PDL: tl.constexpr):
+                              DOT_F32: tl.constexpr, IS_DECODE: tl.constexpr, WRITE_OUT: tl.constexpr):
     """One program per (query tile, KV head, split): write the tile's block union (union_ptr: per-program
     scratch [tiles, Hkv, SPLITS, 3, N]) and its size (count_ptr [tiles, Hkv]: the per-row kernel computes the
     prefill tiles over MAX_UNION), then attend over the split's share of the union if it has at most MAX_UNION
     blocks. Decode: tile b is request b's DQL rows (positions seq_lens[b] - DQL ...); with SPLITS > 1 the
     partials go to m/l/acc_ptr [T, SPLITS, H(, D)]."""
-    wait_for_producer(PDL)
     N: tl.constexpr = TQ * TOPK_PAD
     i = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
     if IS_DECODE:
         b = i
-        first_tile = i
     else:
         b, first_tile = locate_prefill(i, cu_ptr, BATCH, TQ, True)
     if b < BATCH:  # the prefill grid's tail has no tile
