@@ -144,18 +144,17 @@ class _Scales:
         self.k_mult = float(scale) * k_val
 
 
-def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, prefill=None,
-              tiled=None, pdl=False):
+def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, dot_f32,
+              prefill=None, tiled=None, pdl=False):
     """The per-row kernel. Decode: rows of decode_query_len per request of seq_lens. Prefill: ``prefill`` =
     (cu_seqlens_q, context_lens); ``tiled`` = (counts, rows per tile, max union) skips the rows of tiles that
-    the tile kernel computed. ``pdl``: chain by dependent launch."""
+    the tile kernel computed. ``dot_f32``: ``dot_in_fp32`` of the launch. ``pdl``: chain by dependent launch."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     topk = topk_ids.shape[2]
     splits = max(1, min(splits, topk))
     m, l, acc = _split_partials(out, splits)
     cu, ctx = prefill if prefill is not None else (seq_lens, seq_lens)
-    dot_f32 = dot_in_fp32(q.dtype, kv_cache.dtype)
     block_h = max(16, next_pow2(num_heads // kv_heads))
     # A decode program that walks all k blocks keeps a third block in flight (H200, TP1 128 x 32k: 146.7 ->
     # 136.6 us); with splits the loops are short and the third stage costs (32 x 32k, 9 splits: 17.0 -> 19.2).
@@ -250,8 +249,8 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
         counts = _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32,
                             prefill=(cu_seqlens_q, context_lens))
         tiled = (counts, tq, max_union)
-    return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, 0, sc, out, 1, (cu_seqlens_q, context_lens),
-                     tiled)
+    return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, 0, sc, out, 1, dot_f32,
+                     (cu_seqlens_q, context_lens), tiled)
 
 
 def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, scale, out, k_scale,
@@ -290,4 +289,5 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
     if splits is None:
         splits = 1 if num_programs >= ONE_SPLIT_PROGRAMS else triton.cdiv(target, num_programs)
     pdl = chained_launch(q.device, q.shape[0]) or (splits == 1 and dependent_launch_works(q.device))
-    return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, pdl=pdl)
+    return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, dot_f32,
+                     pdl=pdl)
