@@ -388,12 +388,15 @@ def test_decode_attention_splits(target, splits, kv_dtype, rows_together):
     assert (out[pad] == 0).all()
 
 
+# Two id rows of every kind of wrongness: repeats, negative, past the request, int32 extremes.
+BAD_IDS = [[3, 3, -1, 9, 10, 2**31 - 1, -2**31, 0, 1, 1, 5], [9, 100, -7, 5, 5, 5, 1, 9, 0, 2, 4]]
+
+
 def test_adversarial_and_permuted_ids(target):
     dev = device_of(target)
     batch = make_batch([(16 * 9 + 4, 3), (20, 2)], heads=4, kv_heads=2, block_size=16, q_dtype=act_dtype(target),
                        seed=3, device=dev)
-    bad = torch.tensor([[3, 3, -1, 9, 10, 2**31 - 1, -2**31, 0, 1, 1, 5],
-                        [9, 100, -7, 5, 5, 5, 1, 9, 0, 2, 4]], dtype=torch.int32, device=dev)
+    bad = torch.tensor(BAD_IDS, dtype=torch.int32, device=dev)
     ids = bad[:, None, :].expand(2, 5, 11)
     got = batch.attn_prefill(ids, out=torch.full_like(batch.q, float("nan")))
     ref = batch.attn_prefill(ids, impl=reference)
@@ -414,9 +417,7 @@ def test_adversarial_ids_in_speculative_decode(target, rows_together):
     dev = device_of(target)
     batch = make_batch([(16 * 9 + 1, 3), (20, 3), (-1, 3), (-3, 3)], heads=4, kv_heads=2, block_size=16,
                        q_dtype=act_dtype(target), decode_query_len=3, seed=11, device=dev)
-    bad = torch.tensor([[3, 3, -1, 9, 10, 2**31 - 1, -2**31, 0, 1, 1, 5],
-                        [9, 100, -7, 5, 5, 5, 1, 9, 0, 2, 4],
-                        [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], dtype=torch.int32, device=dev)
+    bad = torch.tensor(BAD_IDS + [list(range(11))], dtype=torch.int32, device=dev)
     ids = bad[None, torch.arange(12, device=dev) % 3].expand(2, 12, 11).clone()
     ids[1] = ids[1].roll(1, dims=0)  # the second KV head's rows pick other sets
     meta = batch.decode_meta()

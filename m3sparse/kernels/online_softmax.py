@@ -1,4 +1,4 @@
-"""One step of the online softmax shared by the attention kernels."""
+"""The online softmax shared by the attention kernels: one step over a key chunk, and the rows' final store."""
 from __future__ import annotations
 
 import triton
@@ -38,3 +38,21 @@ def attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptrs, vs_ptrs, slot_mas
     else:
         pv = tl.dot(w.to(q.dtype), v.to(q.dtype))
     return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def store_rows(acc, m_i, l_i, t, heads, mask, o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, split, SPLITS, H,
+               D: tl.constexpr, WRITE_OUT: tl.constexpr):
+    """Store the (row t, query head) lanes under mask ([M]; t may be a scalar): with WRITE_OUT the output
+    acc / l_i, else the split's partial (max m_i in natural-log units, sum, accumulator) in the [T, SPLITS, H(, D)]
+    layout that ``_merge_splits_kernel`` reads."""
+    d = tl.arange(0, D)
+    if WRITE_OUT:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + (t * o_st + heads * o_sh)[:, None] + d[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=mask[:, None])
+    else:
+        part = (t * SPLITS + split) * H + heads
+        tl.store(m_ptr + part, m_i, mask=mask)
+        tl.store(l_ptr + part, l_i, mask=mask)
+        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=mask[:, None])

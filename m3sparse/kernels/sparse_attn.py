@@ -17,7 +17,7 @@ import triton.language as tl
 from .._validation import FP8_DTYPES
 from .common import dot_in_fp32, next_pow2, scale_args
 from .dependent_launch import chained_launch, dependent_launch_works, wait_for_producer
-from .online_softmax import attend_keys
+from .online_softmax import attend_keys, store_rows
 from .rows import locate_prefill
 from .sparse_attn_tiles import _sparse_attn_tiles_kernel
 
@@ -92,17 +92,8 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
             v = tl.load(base + D, mask=seen[:, None], other=0.0)
             m_i, l_i, acc = attend_keys(q, k, v, seen[None, :], m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
                                         vs_ptr + g * vs_sh + slot, seen, K_SCALE, V_SCALE, DOT_F32, False)
-        acc = acc * v_mult
-        heads = g * G + h
-        if WRITE_OUT:
-            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(o_ptr + t * o_st + heads[:, None] * o_sh + d[None, :], o.to(o_ptr.dtype.element_ty),
-                     mask=(h < G)[:, None])
-        else:
-            part = (t * SPLITS + split) * (G * tl.num_programs(1)) + heads  # partials [T, SPLITS, H]
-            tl.store(m_ptr + part, m_i, mask=h < G)
-            tl.store(l_ptr + part, l_i, mask=h < G)
-            tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=(h < G)[:, None])
+        store_rows(acc * v_mult, m_i, l_i, t, g * G + h, h < G, o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, split,
+                   SPLITS, G * tl.num_programs(1), D, WRITE_OUT)
 
 
 @triton.jit

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .online_softmax import attend_keys
+from .online_softmax import attend_keys, store_rows
 from .rows import locate_prefill, prefill_request_rows
 
 
@@ -59,13 +59,13 @@ def _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_row_ptr, width,
 
 @triton.jit
 def _attend_union(entries, lo, hi, q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr, vs_sh,
-                  scale, v_factor, o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, part0, part_st, g, row0, nrows, first,
+                  scale, v_factor, o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, split, SPLITS, H, g, row0, nrows, first,
                   G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
                   D: tl.constexpr, N: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
                   DOT_F32: tl.constexpr, WRITE_OUT: tl.constexpr):
     """Attention of the tile's rows (all query heads of KV head g) over the union blocks lo..hi-1 listed at
-    entries. WRITE_OUT: the rows' output; else their partial triple at m/l/acc_ptr + part0 + row * part_st +
-    head (the max in natural-log units, as the per-row kernel's)."""
+    entries. WRITE_OUT: the rows' output; else their partials of split ``split`` of SPLITS (``store_rows``;
+    H query heads in all)."""
     M: tl.constexpr = TQ * GP
     _, r, h, pos, live = _tile_lanes(first, nrows, M, GP, G)
     t = row0 + r
@@ -107,16 +107,9 @@ def _attend_union(entries, lo, hi, q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_s
         v = tl.load(base + D, mask=loaded[:, None], other=0.0)
         m_i, l_i, acc = attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
                                     vs_ptr + g * vs_sh + slot, loaded, K_SCALE, V_SCALE, DOT_F32, True)
-    acc = acc * v_mult
-    if WRITE_OUT:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(o_ptr + t[:, None] * o_st + heads[:, None] * o_sh + d[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=live[:, None])
-    else:
-        part = part0 + r * part_st + heads
-        tl.store(m_ptr + part, m_i * 0.6931471805599453, mask=live)  # log2 -> natural-log units
-        tl.store(l_ptr + part, l_i, mask=live)
-        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=live[:, None])
+    # m_i is in log2 units here, natural-log units in the partials
+    store_rows(acc * v_mult, m_i * 0.6931471805599453, l_i, t, heads, live, o_ptr, o_st, o_sh, m_ptr, l_ptr,
+               acc_ptr, split, SPLITS, H, D, WRITE_OUT)
 
 
 @triton.jit
@@ -161,8 +154,7 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
         if count <= MAX_UNION:
             per_split = tl.cdiv(count, SPLITS)
             lo = tl.minimum(split * per_split, count)
-            part0 = row0 * SPLITS * G * HKV + split * G * HKV
             _attend_union(entries, lo, tl.minimum(count, lo + per_split), q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh,
                           kv_ss, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st, o_sh, m_ptr, l_ptr,
-                          acc_ptr, part0, SPLITS * G * HKV, g, row0, nrows, first, G, GP, TQ, BS, BLOCK_N, D, N,
+                          acc_ptr, split, SPLITS, G * HKV, g, row0, nrows, first, G, GP, TQ, BS, BLOCK_N, D, N,
                           K_SCALE, V_SCALE, DOT_F32, WRITE_OUT)
