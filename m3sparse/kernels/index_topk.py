@@ -24,15 +24,21 @@ from .rows import prefill_request_rows
 _EMPTY_SLOT = tl.constexpr(2**63 - 1)  # top-k columns past k: never the minimum, never replaced
 _PREFILL_TARGET_PROGRAMS = 264  # two per SM of the H200
 _DECODE_MAX_PROGRAMS = 512  # decode scoring grid cap (H200 sweep, docs/perf-notes.md)
-PREFILL_BLOCK_M, PREFILL_STAGES = 64, 2  # H200 sweep (docs/perf-notes.md): 64 rows x 4 warps
+PREFILL_BLOCK_M = 64  # H200 sweep (docs/perf-notes.md): 64 rows x 4 warps
+# The prefill scorer's key loads hang off a block-table load, so Triton keeps 2 key buffers below 5 stages
+# and 3 from 5 (each load issued two blocks ahead). 5 against 2 on the H200 (perf-notes v8): 128k 5.20 -> 4.11 ms,
+# 8k on 120k 0.73 -> 0.57, 32k with 4 KV heads 1.16 -> 1.08; only 16k-32k with one KV head lose (5-7 %).
+PREFILL_STAGES = 5
 SELECT_ONE_WARP_MAX_BLOCKS = 256  # decode selection: one warp per row up to this many (padded) blocks
+DECODE_SCORE_STAGES = 3  # 5 (a third key buffer, one program less per SM) is slower: 32 x 32k index 68.4 -> 74.3 us
 
 
 @triton.jit
 def _score_block(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, kb, pos, j, d, BS: tl.constexpr,
-                 DOT_F32: tl.constexpr):
-    """[M] fp32 max of q . k over block kb's keys at positions <= pos. A page id outside the cache reads page 0
-    instead (garbage in, garbage scores, never an out-of-bounds read)."""
+                 DOT_F32: tl.constexpr, CAUSAL: tl.constexpr = True):
+    """[M] fp32 max of q . k over block kb's keys at positions <= pos (CAUSAL=False: the caller knows every key
+    of the block is at or before every row). A page id outside the cache reads page 0 instead (garbage in,
+    garbage scores, never an out-of-bounds read)."""
     page = tl.load(bt_row_ptr + kb)
     page = tl.where((page >= 0) & (page < num_pages), page, 0).to(tl.int64)
     k = tl.load(ik_ptr + page * ik_sp + j[:, None] * ik_ss + d[None, :])
@@ -40,8 +46,21 @@ def _score_block(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, kb, pos, j, d, 
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k.to(q.dtype)))
-    s = tl.where((kb * BS + j)[None, :] <= pos[:, None], s, float("-inf"))
+    if CAUSAL:
+        s = tl.where(j[None, :] <= (pos - kb * BS)[:, None], s, float("-inf"))
     return tl.max(s, axis=1)
+
+
+@triton.jit
+def _running_topk(top, lo, hi, q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, pos, own, col, j, d, LOCAL, INIT,
+                  BS: tl.constexpr, DOT_F32: tl.constexpr, NB_PAD: tl.constexpr, CAUSAL: tl.constexpr):
+    """top [M, TOPK_PAD] after blocks lo..hi-1: each block's packed key replaces a row's smallest when larger."""
+    for kb in range(lo, hi):
+        s = _score_block(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, kb, pos, j, d, BS, DOT_F32, CAUSAL)
+        key = packed_block_key(s, kb, own, LOCAL, INIT, NB_PAD)
+        low, slot = tl.min(top, axis=1, return_indices=True)
+        top = tl.where((col[None, :] == slot[:, None]) & (key > low)[:, None], key[:, None], top)
+    return top
 
 
 @triton.jit
@@ -157,13 +176,15 @@ def _score_topk_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb
         if DOT_F32:
             q = q.to(tl.float32)
         col = tl.arange(0, TOPK_PAD)
-        # Running top-k per row: a new key replaces the row's smallest when larger (0 = empty slot).
+        # Running top-k per row (0 = empty slot). Blocks that end at or before the tile's first row need no
+        # causal mask: half the ALU work of a block, and the scorer is ALU-bound once its loads are in flight.
         top = tl.zeros([BLOCK_M, TOPK_PAD], tl.int64) + tl.where(col < TOPK, 0, _EMPTY_SLOT).to(tl.int64)[None, :]
-        for kb in range(lo, hi):
-            s = _score_block(q, ik_ptr, ik_sp, ik_ss, bt_ptr + b * bt_sb, num_pages, kb, pos, j, d, BS, DOT_F32)
-            key = packed_block_key(s, kb, own, LOCAL, INIT, NB_PAD)
-            low, slot = tl.min(top, axis=1, return_indices=True)
-            top = tl.where((col[None, :] == slot[:, None]) & (key > low)[:, None], key[:, None], top)
+        bt_row = bt_ptr + b * bt_sb
+        unmasked_end = tl.maximum(lo, tl.minimum(hi, (first + tile * ROWS + 1) // BS))
+        top = _running_topk(top, lo, unmasked_end, q, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, pos, own, col, j, d,
+                            LOCAL, INIT, BS, DOT_F32, NB_PAD, False)
+        top = _running_topk(top, unmasked_end, hi, q, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, pos, own, col, j, d,
+                            LOCAL, INIT, BS, DOT_F32, NB_PAD, True)
         keep = live[:, None] & (col < TOPK)[None, :]
         if WRITE_IDS:
             ids = tl.where(top > 0, block_of_key(top, NB_PAD), -1).to(tl.int32)
@@ -264,7 +285,8 @@ def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_
             index_cache.stride(1), block_table, block_table.stride(0), width, num_pages,
             scores, scores.stride(0), scores.stride(1), seq_lens, decode_query_len, splits, kv_heads,
             BLOCK_M=block_m, HKV_PAD=hkv_pad, BS=bs, D=dim, DOT_F32=dot_in_fp32(index_q.dtype, index_cache.dtype),
-            K_FP8=_fp8_keys(index_q.dtype, index_cache.dtype), PDL=pdl, num_warps=4, num_stages=3, launch_pdl=pdl)
+            K_FP8=_fp8_keys(index_q.dtype, index_cache.dtype), PDL=pdl, num_warps=4, num_stages=DECODE_SCORE_STAGES,
+            launch_pdl=pdl)
     nb_pad = max(16, next_pow2(width))
     # One warp per row up to 256 blocks: its k reductions stay inside the warp (H200, 1 x 32k: 9.6 -> 9.0 us,
     # 128 x 32k: 243.4 -> 242.4); at 1024 blocks four warps are faster (1 x 128k: 16.0 vs 18.0).
