@@ -34,7 +34,9 @@ def _tile_lanes(first, nrows, LANES: tl.constexpr, WIDTH: tl.constexpr, USED: tl
 def _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_row_ptr, width, num_pages, g, row0, nrows, first,
                        TQ: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BS: tl.constexpr):
     """Write the distinct valid block ids of a (tile, KV head) to entries[0, :count], their pages (-1 outside
-    the cache) to entries[1], and, as a bit per tile row, which rows chose them to entries[2]; return count."""
+    the cache) to entries[1], and, as a bit per tile row, which rows chose them to entries[2]. The first ones
+    are the n_full blocks in the cache that end at or before the tile's first row (every row sees all their
+    keys); return (count, n_full)."""
     N: tl.constexpr = TQ * TOPK_PAD
     e, r, k, pos, live = _tile_lanes(first, nrows, N, TOPK_PAD, TOPK)
     ids = tl.load(ids_ptr + g * id_sh + (row0 + r) * id_st + k * id_sk, mask=live, other=-1)
@@ -50,22 +52,71 @@ def _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_row_ptr, width,
     keep = ok & ~dup
     page = tl.load(bt_row_ptr + ids, mask=keep, other=-1)
     page = tl.where((page >= 0) & (page < num_pages), page, -1)
-    slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    full = keep & (page >= 0) & (ids * BS + BS - 1 <= first)
+    n_full = tl.sum(full.to(tl.int32), axis=0)
+    slot = tl.where(full, tl.cumsum(full.to(tl.int32), axis=0),
+                    n_full + tl.cumsum((keep & ~full).to(tl.int32), axis=0)) - 1
     tl.store(entries + slot, ids.to(tl.int64), mask=keep)
     tl.store(entries + N + slot, page.to(tl.int64), mask=keep)
     tl.store(entries + 2 * N + slot, rows, mask=keep)
-    return tl.sum(keep.to(tl.int32), axis=0)
+    return tl.sum(keep.to(tl.int32), axis=0), n_full
 
 
 @triton.jit
-def _attend_union(entries, lo, hi, q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr, vs_sh,
-                  scale, v_factor, o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, split, SPLITS, H, g, row0, nrows, first,
-                  G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  D: tl.constexpr, N: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
-                  DOT_F32: tl.constexpr, WRITE_OUT: tl.constexpr):
+def _union_entry(entries, u, N: tl.constexpr):
+    """(block id, page, rows bitmask) of union entry u."""
+    return tl.load(entries + u), tl.load(entries + N + u), tl.load(entries + 2 * N + u)
+
+
+@triton.jit
+def _attend_chunks(entries, lo, hi, q, kv_ptr, kv_sp, kv_sh, kv_ss, kv_off, ks_ptr, ks_sh, vs_ptr, vs_sh, k_mult, m_i,
+                   l_i, acc, g, r, pos, last_pos, BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                   N: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
+                   FULL: tl.constexpr):
+    """Fold union entries lo..hi-1 into (m_i, l_i, acc), in BS / BLOCK_N key chunks each (smaller chunks leave
+    shared memory for more stages). FULL: the entries are in the cache and every row sees all their
+    keys, so a key counts for exactly the rows that chose its block: no causal mask."""
+    SUB: tl.constexpr = BS // BLOCK_N
+    # Each chunk's entry is read one chunk ahead, so the K / V addresses do not hang off a load of the same
+    # iteration: Triton then keeps those loads two chunks ahead with three stages (an entry loaded in the
+    # iteration itself leaves them one chunk ahead).
+    blk, page, rows = _union_entry(entries, tl.minimum(lo, N - 1), N)  # unused when lo == hi
+    for chunk in range(lo * SUB, hi * SUB):
+        j = (chunk % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
+        use = page >= 0
+        safe_page = tl.where(use, page, 0)
+        # A row that chose the block (ids past a row's own block are masked by causality: all their keys lie
+        # after the row).
+        member = ((rows >> r) & 1) != 0
+        # int32 key positions: the [M, BLOCK_N] causal compare in int64 cost ~40 more instructions per chunk
+        key_pos = blk.to(tl.int32) * BS + j
+        # Keys after the tile's last row are never seen: not loaded, so garbage there cannot reach a dot.
+        loaded = (key_pos <= last_pos) & (j < tl.where(use, BS, 0))
+        if FULL:
+            seen = member[:, None]
+        else:
+            seen = member[:, None] & (key_pos[None, :] <= pos[:, None]) & loaded[None, :]
+        slot = safe_page * BS + j
+        # One scalar pointer per chunk plus loop-invariant int32 offsets: 2 instructions per 16-byte load
+        # instead of a 64-bit multiply-add chain.
+        base = kv_ptr + safe_page * kv_sp + g * kv_sh + (chunk % SUB) * BLOCK_N * kv_ss + kv_off
+        k = tl.load(base, mask=loaded[:, None], other=0.0)
+        v = tl.load(base + D, mask=loaded[:, None], other=0.0)
+        m_i, l_i, acc = attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
+                                    vs_ptr + g * vs_sh + slot, loaded, K_SCALE, V_SCALE, DOT_F32, True)
+        blk, page, rows = _union_entry(entries, tl.minimum((chunk + 1) // SUB, hi - 1), N)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_union(entries, lo, hi, n_full, q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr,
+                  vs_sh, scale, v_factor, o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, split, SPLITS, H, g, row0, nrows,
+                  first, G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr, BS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, D: tl.constexpr, N: tl.constexpr, K_SCALE: tl.constexpr,
+                  V_SCALE: tl.constexpr, DOT_F32: tl.constexpr, WRITE_OUT: tl.constexpr):
     """Attention of the tile's rows (all query heads of KV head g) over the union blocks lo..hi-1 listed at
-    entries. WRITE_OUT: the rows' output; else their partials of split ``split`` of SPLITS (``store_rows``;
-    H query heads in all)."""
+    entries, of which the first n_full are fully visible. WRITE_OUT: the rows' output; else their partials of
+    split ``split`` of SPLITS (``store_rows``; H query heads in all)."""
     M: tl.constexpr = TQ * GP
     _, r, h, pos, live = _tile_lanes(first, nrows, M, GP, G)
     t = row0 + r
@@ -84,29 +135,14 @@ def _attend_union(entries, lo, hi, q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_s
         k_mult = k_mult * tl.load(ks_ptr)
     if V_SCALE == 1:
         v_mult = v_mult * tl.load(vs_ptr)
-    # Each block is walked in BS / BLOCK_N key chunks (smaller chunks leave shared memory for more stages).
-    SUB: tl.constexpr = BS // BLOCK_N
-    for chunk in range(lo * SUB, hi * SUB):
-        u = chunk // SUB
-        j = (chunk % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
-        # int32 key positions: the [M, BLOCK_N] causal compare in int64 cost ~40 more instructions per chunk
-        blk = tl.load(entries + u).to(tl.int32)
-        page = tl.load(entries + N + u)
-        use = page >= 0
-        page = tl.where(use, page, 0)
-        key_pos = blk * BS + j
-        # Keys after the tile's last row are never seen: not loaded, so garbage there cannot reach a dot.
-        loaded = (key_pos <= last_pos) & (j < tl.where(use, BS, 0))
-        # A row that chose the block (ids past a row's own block are masked by causality: all their keys lie
-        # after the row).
-        member = ((tl.load(entries + 2 * N + u) >> r) & 1) != 0
-        seen = member[:, None] & (key_pos[None, :] <= pos[:, None]) & loaded[None, :]
-        slot = page * BS + j
-        base = kv_ptr + page * kv_sp + g * kv_sh + j[:, None] * kv_ss + d[None, :]
-        k = tl.load(base, mask=loaded[:, None], other=0.0)
-        v = tl.load(base + D, mask=loaded[:, None], other=0.0)
-        m_i, l_i, acc = attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
-                                    vs_ptr + g * vs_sh + slot, loaded, K_SCALE, V_SCALE, DOT_F32, True)
+    kv_off = tl.arange(0, BLOCK_N)[:, None] * kv_ss + d[None, :]
+    mid = tl.minimum(tl.maximum(n_full, lo), hi)
+    m_i, l_i, acc = _attend_chunks(entries, lo, mid, q, kv_ptr, kv_sp, kv_sh, kv_ss, kv_off, ks_ptr, ks_sh, vs_ptr,
+                                   vs_sh, k_mult, m_i, l_i, acc, g, r, pos, last_pos, BS, BLOCK_N, D, N, K_SCALE,
+                                   V_SCALE, DOT_F32, True)
+    m_i, l_i, acc = _attend_chunks(entries, mid, hi, q, kv_ptr, kv_sp, kv_sh, kv_ss, kv_off, ks_ptr, ks_sh, vs_ptr,
+                                   vs_sh, k_mult, m_i, l_i, acc, g, r, pos, last_pos, BS, BLOCK_N, D, N, K_SCALE,
+                                   V_SCALE, DOT_F32, False)
     # m_i is in log2 units here, natural-log units in the partials
     store_rows(acc * v_mult, m_i * 0.6931471805599453, l_i, t, heads, live, o_ptr, o_st, o_sh, m_ptr, l_ptr,
                acc_ptr, split, SPLITS, H, D, WRITE_OUT)
@@ -146,15 +182,15 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
             first = req_first + before
         tile_id = i * HKV + g
         entries = union_ptr + (tile_id * SPLITS + split) * 3 * N
-        count = _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_ptr + b * bt_sb, width, num_pages, g,
-                                   row0, nrows, first, TQ, TOPK, TOPK_PAD, BS)
+        count, n_full = _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_ptr + b * bt_sb, width,
+                                           num_pages, g, row0, nrows, first, TQ, TOPK, TOPK_PAD, BS)
         if split == 0:
             tl.store(count_ptr + tile_id, count)
         tl.debug_barrier()  # every thread's entries are visible to the whole program before they are read back
         if count <= MAX_UNION:
             per_split = tl.cdiv(count, SPLITS)
             lo = tl.minimum(split * per_split, count)
-            _attend_union(entries, lo, tl.minimum(count, lo + per_split), q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh,
-                          kv_ss, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st, o_sh, m_ptr, l_ptr,
-                          acc_ptr, split, SPLITS, G * HKV, g, row0, nrows, first, G, GP, TQ, BS, BLOCK_N, D, N,
-                          K_SCALE, V_SCALE, DOT_F32, WRITE_OUT)
+            _attend_union(entries, lo, tl.minimum(count, lo + per_split), n_full, q_ptr, q_st, q_sh, kv_ptr, kv_sp,
+                          kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st, o_sh, m_ptr,
+                          l_ptr, acc_ptr, split, SPLITS, G * HKV, g, row0, nrows, first, G, GP, TQ, BS, BLOCK_N, D,
+                          N, K_SCALE, V_SCALE, DOT_F32, WRITE_OUT)
