@@ -19,6 +19,7 @@ import triton.language as tl
 from .block_keys import block_of_key, packed_block_key
 from .common import dot_in_fp32, next_pow2
 from .dependent_launch import chained_launch, wait_for_producer
+from .launch import launch
 from .rows import prefill_request_rows
 
 _EMPTY_SLOT = tl.constexpr(2**63 - 1)  # top-k columns past k: never the minimum, never replaced
@@ -240,7 +241,7 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
     nb_pad = max(16, next_pow2(width))
     cand = torch.empty((kv_heads, num_tokens, splits, topk_pad), dtype=torch.int64, device=index_q.device) \
         if splits > 1 else out
-    _score_topk_kernel[(tiles, batch, splits)](
+    launch(_score_topk_kernel, (tiles, batch, splits),
         index_q, index_q.stride(0), index_q.stride(1), index_cache, index_cache.stride(0), index_cache.stride(1),
         block_table, block_table.stride(0), width, num_pages, cand, num_tokens, out, out.stride(0), out.stride(1),
         out.stride(2), cu_seqlens_q, context_lens, tiles, splits, kv_heads, local_blocks, init_blocks,
@@ -249,9 +250,9 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
         num_warps=4 if block_m <= 64 else 8, num_stages=PREFILL_STAGES)
     if splits > 1:
         merge_rows = max(1, min(64, 2048 // (splits * topk_pad)))
-        _merge_topk_kernel[(triton.cdiv(max_query_len, merge_rows), batch, kv_heads)](
-            cand, cand.stride(0), cand.stride(1), out, out.stride(0), out.stride(1), out.stride(2), cu_seqlens_q,
-            ROWS=merge_rows, SPLITS=splits, TOPK=topk, TOPK_PAD=topk_pad, NB_PAD=nb_pad, num_warps=4)
+        launch(_merge_topk_kernel, (triton.cdiv(max_query_len, merge_rows), batch, kv_heads),
+               cand, cand.stride(0), cand.stride(1), out, out.stride(0), out.stride(1), out.stride(2), cu_seqlens_q,
+               ROWS=merge_rows, SPLITS=splits, TOPK=topk, TOPK_PAD=topk_pad, NB_PAD=nb_pad, num_warps=4)
     return out
 
 
@@ -280,7 +281,7 @@ def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_
         # for latency (1 x 32k: 13.1 -> 10.4 us; measured on the H200).
         per_split = blocks_per_split or (1 if batch < 16 else 8)
         splits = max(1, min(triton.cdiv(width, per_split), triton.cdiv(_DECODE_MAX_PROGRAMS, batch)))
-        _block_scores_kernel[(triton.cdiv(decode_query_len, rows_per_tile), batch, splits)](
+        launch(_block_scores_kernel, (triton.cdiv(decode_query_len, rows_per_tile), batch, splits),
             index_q, index_q.stride(0), index_q.stride(1), index_cache, index_cache.stride(0),
             index_cache.stride(1), block_table, block_table.stride(0), width, num_pages,
             scores, scores.stride(0), scores.stride(1), seq_lens, decode_query_len, splits, kv_heads,
@@ -290,7 +291,7 @@ def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_
     nb_pad = max(16, next_pow2(width))
     # One warp per row up to 256 blocks: its k reductions stay inside the warp (H200, 1 x 32k: 9.6 -> 9.0 us,
     # 128 x 32k: 243.4 -> 242.4); at 1024 blocks four warps are faster (1 x 128k: 16.0 vs 18.0).
-    _select_topk_kernel[(num_tokens, kv_heads)](
+    launch(_select_topk_kernel, (num_tokens, kv_heads),
         scores, scores.stride(0), scores.stride(1), out, out.stride(0), out.stride(1), out.stride(2),
         seq_lens, width, decode_query_len, local_blocks, init_blocks, BS=bs, TOPK=topk, NB_PAD=nb_pad, PDL=pdl,
         num_warps=1 if nb_pad <= SELECT_ONE_WARP_MAX_BLOCKS else 4, launch_pdl=pdl)

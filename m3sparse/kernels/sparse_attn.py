@@ -17,6 +17,7 @@ import triton.language as tl
 from .._validation import FP8_DTYPES
 from .common import dot_in_fp32, next_pow2, scale_args
 from .dependent_launch import chained_launch, dependent_launch_works, wait_for_producer
+from .launch import launch
 from .online_softmax import attend_keys, store_rows
 from .rows import locate_prefill
 from .sparse_attn_tiles import _sparse_attn_tiles_kernel
@@ -152,7 +153,7 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
     # fp32 dots and larger head groups stay at two: their third stage would not fit in shared memory.
     stages = 3 if prefill is None and splits == 1 and not dot_f32 and block_h == 16 else 2
     counts, tq, max_union = tiled if tiled is not None else (seq_lens, 1, 0)
-    _sparse_attn_kernel[(num_tokens, kv_heads, splits)](
+    launch(_sparse_attn_kernel, (num_tokens, kv_heads, splits),
         q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_ids.stride(2),
         block_table, block_table.stride(0), block_table.shape[1], num_pages, seq_lens, decode_query_len, cu, ctx,
@@ -180,9 +181,8 @@ def _split_partials(out, splits):
 def _merge_split_partials(m, l, acc, out, splits, pdl):
     if splits > 1:
         num_tokens, num_heads, dim = out.shape
-        _merge_splits_kernel[(num_tokens, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_heads,
-                                                      SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim, PDL=pdl,
-                                                      launch_pdl=pdl)
+        launch(_merge_splits_kernel, (num_tokens, num_heads), m, l, acc, out, out.stride(0), out.stride(1),
+               num_heads, SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim, PDL=pdl, launch_pdl=pdl)
 
 
 def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
@@ -209,7 +209,7 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     union = torch.empty((tiles, kv_heads, splits, 3, tq * topk_pad), dtype=torch.int64, device=q.device)
     counts = torch.empty((tiles, kv_heads), dtype=torch.int32, device=q.device)
     m, l, acc = _split_partials(out, splits)
-    _sparse_attn_tiles_kernel[(tiles, kv_heads, splits)](
+    launch(_sparse_attn_tiles_kernel, (tiles, kv_heads, splits),
         q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_ids.stride(2), block_table, block_table.stride(0),
         block_table.shape[1], num_pages, union, counts, cu, ctx, seq_lens, dql, batch, kv_heads, max_union,
