@@ -2,7 +2,7 @@
 
 Decode: each op captured as 16 consecutive layers in one CUDA graph over several input sets (rotated so the
 working set exceeds L2), median of event-timed replays divided by 16; also one op per graph. Prefill: eager
-launches, median of 30 event-timed calls (10 at 128k) after a clock ramp per case. Prints markdown tables.
+launches, median of 30 event-timed calls (10 at 128k) after 0.2 s of the case's own calls. Prints markdown tables.
 """
 from __future__ import annotations
 
@@ -245,9 +245,14 @@ def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1,
     attend = lambda: m3sparse.sparse_attn_prefill(q, kv, ids, *meta, out=out)  # noqa: E731
     index()
     attend()
-    # The first calls compile or load the kernels, seconds in which the card's clocks drop: ramp them again
-    # (v8's first case, 8k random, timed its index at 0.245 ms against 0.13 when run later).
-    _warm_up_gpu(0.3)
+    # The first calls compile or load the kernels, seconds in which the card's clocks drop: ramp them with the
+    # ops themselves (v8's first case timed its index at 0.245 ms against 0.13 later; a matmul ramp instead left
+    # the index that follows it ~25 % slow, the card still braking from the matmuls' power draw).
+    start = time.perf_counter()
+    while time.perf_counter() - start < 0.2:
+        index()
+        attend()
+        torch.cuda.synchronize()
     t_index = _events_median(index, reps) / 1e3
     t_attend = _events_median(attend, reps) / 1e3
     # As a model runs them, between one pair of events: the attention's host work can overlap the index's kernels

@@ -148,7 +148,7 @@ def _select_topk_kernel(sc_ptr, sc_sh, sc_st, out_ptr, o_sh, o_st, o_sk, seq_ptr
 @triton.jit
 def _score_topk_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb, width, num_pages,
                        cand_ptr, T_TOTAL, out_ptr, o_sh, o_st, o_sk, cu_ptr, ctx_ptr, NUM_TILES, SPLITS, HKV,
-                       LOCAL, INIT,
+                       LOCAL, INIT, BATCH,
                        BLOCK_M: tl.constexpr, HKV_PAD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                        DOT_F32: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, NB_PAD: tl.constexpr,
                        WRITE_IDS: tl.constexpr):
@@ -157,10 +157,34 @@ def _score_topk_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb
     tile = NUM_TILES - 1 - tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
+    m = tl.arange(0, BLOCK_M)
+    g = m % HKV_PAD
+    col = tl.arange(0, TOPK_PAD)
+    if b == BATCH:
+        # The grid's extra request row writes -1 to the padding rows past cu_seqlens_q[-1] (a separate fill
+        # would cost the host a launch before the scorer's).
+        step = NUM_TILES * SPLITS * ROWS
+        for start in range(tl.load(cu_ptr + BATCH) + (tile * SPLITS + split) * ROWS, T_TOTAL, step):
+            rows = start + m // HKV_PAD
+            pad = ((rows < T_TOTAL) & (g < HKV))[:, None] & (col < TOPK)[None, :]
+            tl.store(out_ptr + g[:, None] * o_sh + rows[:, None] * o_st + col[None, :] * o_sk,
+                     tl.full([BLOCK_M, TOPK_PAD], -1, tl.int32), mask=pad)
+    else:
+        _score_request_tile(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb, width, num_pages, cand_ptr,
+                            T_TOTAL, out_ptr, o_sh, o_st, o_sk, cu_ptr, ctx_ptr, SPLITS, HKV, LOCAL, INIT, tile, b,
+                            split, m, g, col, BLOCK_M, HKV_PAD, BS, D, DOT_F32, TOPK, TOPK_PAD, NB_PAD, WRITE_IDS)
+
+
+@triton.jit
+def _score_request_tile(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb, width, num_pages, cand_ptr,
+                        T_TOTAL, out_ptr, o_sh, o_st, o_sk, cu_ptr, ctx_ptr, SPLITS, HKV, LOCAL, INIT, tile, b,
+                        split, m, g, col, BLOCK_M: tl.constexpr, HKV_PAD: tl.constexpr, BS: tl.constexpr,
+                        D: tl.constexpr, DOT_F32: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+                        NB_PAD: tl.constexpr, WRITE_IDS: tl.constexpr):
+    """Top-k of one query tile of request b over its split of the blocks: the ids, or the split's candidates."""
+    ROWS: tl.constexpr = BLOCK_M // HKV_PAD
     row0, nrows, first = prefill_request_rows(b, cu_ptr, ctx_ptr)
     if tile * ROWS < nrows:
-        m = tl.arange(0, BLOCK_M)
-        g = m % HKV_PAD
         rows = tile * ROWS + m // HKV_PAD
         pos = first + rows
         live = (rows < nrows) & (g < HKV)
@@ -176,7 +200,6 @@ def _score_topk_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_sb
                     mask=live[:, None], other=0.0)
         if DOT_F32:
             q = q.to(tl.float32)
-        col = tl.arange(0, TOPK_PAD)
         # Running top-k per row (0 = empty slot). Blocks that end at or before the tile's first row need no
         # causal mask: ~40 % of the ALU work of a block, and the scorer is ALU-bound once its loads are in flight.
         top = tl.zeros([BLOCK_M, TOPK_PAD], tl.int64) + tl.where(col < TOPK, 0, _EMPTY_SLOT).to(tl.int64)[None, :]
@@ -226,9 +249,8 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
     num_tokens, kv_heads, dim = index_q.shape
     num_pages, bs, _ = index_cache.shape
     batch, width = block_table.shape
-    out.fill_(-1)  # rows past cu_seqlens_q[-1] (padding) belong to no request's tiles
     if num_tokens == 0 or batch == 0 or width == 0 or max_query_len == 0:
-        return out
+        return out.fill_(-1)
     hkv_pad = next_pow2(kv_heads)
     block_m = max(block_m or PREFILL_BLOCK_M, 16, hkv_pad)
     rows_per_tile = block_m // hkv_pad
@@ -241,10 +263,10 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
     nb_pad = max(16, next_pow2(width))
     cand = torch.empty((kv_heads, num_tokens, splits, topk_pad), dtype=torch.int64, device=index_q.device) \
         if splits > 1 else out
-    launch(_score_topk_kernel, (tiles, batch, splits),
+    launch(_score_topk_kernel, (tiles, batch + 1, splits),
         index_q, index_q.stride(0), index_q.stride(1), index_cache, index_cache.stride(0), index_cache.stride(1),
         block_table, block_table.stride(0), width, num_pages, cand, num_tokens, out, out.stride(0), out.stride(1),
-        out.stride(2), cu_seqlens_q, context_lens, tiles, splits, kv_heads, local_blocks, init_blocks,
+        out.stride(2), cu_seqlens_q, context_lens, tiles, splits, kv_heads, local_blocks, init_blocks, batch,
         BLOCK_M=block_m, HKV_PAD=hkv_pad, BS=bs, D=dim, DOT_F32=dot_in_fp32(index_q.dtype, index_cache.dtype),
         TOPK=topk, TOPK_PAD=topk_pad, NB_PAD=nb_pad, WRITE_IDS=splits == 1,
         num_warps=4 if block_m <= 64 else 8, num_stages=PREFILL_STAGES)
