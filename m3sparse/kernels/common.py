@@ -29,6 +29,11 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil division: ``triton.cdiv`` is a constexpr function whose Python call costs ~2 µs."""
+    return -(-a // b)
+
+
 # How a kernel gets an fp8 scale: 0 = a host float folded into the launch arguments (or no fp8 at all), 1 = a
 # one-element device tensor read by the kernel (graph-safe: replays see new values), 2 = a per (kv head, slot)
 # tensor.

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .block_keys import block_of_key, packed_block_key
-from .common import dot_in_fp32, next_pow2
+from .common import cdiv, dot_in_fp32, next_pow2
 from .dependent_launch import chained_launch, wait_for_producer
 from .launch import launch
 from .rows import prefill_request_rows
@@ -254,10 +254,10 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
     hkv_pad = next_pow2(kv_heads)
     block_m = max(block_m or PREFILL_BLOCK_M, 16, hkv_pad)
     rows_per_tile = block_m // hkv_pad
-    tiles = triton.cdiv(max_query_len, rows_per_tile)
+    tiles = cdiv(max_query_len, rows_per_tile)
     if splits is None:
         # Few tiles over a long prefix cannot fill the GPU: split their blocks (>= 32 per split).
-        splits = min(triton.cdiv(_PREFILL_TARGET_PROGRAMS, tiles * batch), triton.cdiv(width, 32))
+        splits = min(cdiv(_PREFILL_TARGET_PROGRAMS, tiles * batch), cdiv(width, 32))
         splits = next_pow2(max(1, splits))
     topk_pad = next_pow2(topk)
     nb_pad = max(16, next_pow2(width))
@@ -272,7 +272,7 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
         num_warps=4 if block_m <= 64 else 8, num_stages=PREFILL_STAGES)
     if splits > 1:
         merge_rows = max(1, min(64, 2048 // (splits * topk_pad)))
-        launch(_merge_topk_kernel, (triton.cdiv(max_query_len, merge_rows), batch, kv_heads),
+        launch(_merge_topk_kernel, (cdiv(max_query_len, merge_rows), batch, kv_heads),
                cand, cand.stride(0), cand.stride(1), out, out.stride(0), out.stride(1), out.stride(2), cu_seqlens_q,
                ROWS=merge_rows, SPLITS=splits, TOPK=topk, TOPK_PAD=topk_pad, NB_PAD=nb_pad, num_warps=4)
     return out
@@ -302,8 +302,8 @@ def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_
         # so the 3-stage pipeline has a loop to fill (fp8 keys at 128 x 128k: 1114 -> 810 us); small ones one,
         # for latency (1 x 32k: 13.1 -> 10.4 us; measured on the H200).
         per_split = blocks_per_split or (1 if batch < 16 else 8)
-        splits = max(1, min(triton.cdiv(width, per_split), triton.cdiv(_DECODE_MAX_PROGRAMS, batch)))
-        launch(_block_scores_kernel, (triton.cdiv(decode_query_len, rows_per_tile), batch, splits),
+        splits = max(1, min(cdiv(width, per_split), cdiv(_DECODE_MAX_PROGRAMS, batch)))
+        launch(_block_scores_kernel, (cdiv(decode_query_len, rows_per_tile), batch, splits),
             index_q, index_q.stride(0), index_q.stride(1), index_cache, index_cache.stride(0),
             index_cache.stride(1), block_table, block_table.stride(0), width, num_pages,
             scores, scores.stride(0), scores.stride(1), seq_lens, decode_query_len, splits, kv_heads,

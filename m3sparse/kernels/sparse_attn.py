@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .._validation import FP8_DTYPES
-from .common import dot_in_fp32, next_pow2, scale_args
+from .common import cdiv, dot_in_fp32, next_pow2, scale_args
 from .dependent_launch import chained_launch, dependent_launch_works, wait_for_producer
 from .launch import launch
 from .online_softmax import attend_keys, store_rows
@@ -236,7 +236,7 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
         max_union = tq * topk * 11 // 16
     tiled = None
     if block_table.shape[0] and max_query_len:
-        tiles = triton.cdiv(q.shape[0], tq) + block_table.shape[0]  # bounds the tile count whatever the lengths
+        tiles = cdiv(q.shape[0], tq) + block_table.shape[0]  # bounds the tile count whatever the lengths
         counts = _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32,
                             prefill=(cu_seqlens_q, context_lens))
         tiled = (counts, tq, max_union)
@@ -278,7 +278,7 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
     num_programs = q.shape[0] * kv_heads
     target = 264 if num_programs < 64 else 132
     if splits is None:
-        splits = 1 if num_programs >= ONE_SPLIT_PROGRAMS else triton.cdiv(target, num_programs)
+        splits = 1 if num_programs >= ONE_SPLIT_PROGRAMS else cdiv(target, num_programs)
     pdl = chained_launch(q.device, q.shape[0]) or (splits == 1 and dependent_launch_works(q.device))
     return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, dot_f32,
                      pdl=pdl)
