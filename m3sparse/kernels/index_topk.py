@@ -53,14 +53,18 @@ def _score_block(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, kb, pos, j, d, 
 
 
 @triton.jit
-def _running_topk(top, lo, hi, q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, pos, own, col, j, d, LOCAL, INIT,
+def _running_topk(top, lo, hi, q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, pos, own, j, d, LOCAL, INIT,
                   BS: tl.constexpr, DOT_F32: tl.constexpr, NB_PAD: tl.constexpr, CAUSAL: tl.constexpr):
-    """top [M, TOPK_PAD] after blocks lo..hi-1: each block's packed key replaces a row's smallest when larger."""
+    """top [M, TOPK_PAD] after blocks lo..hi-1: each block's packed key replaces a row's smallest when larger.
+
+    A row's slots hold distinct values (its blocks' keys, distinct negatives while empty), so its minimum marks
+    exactly one slot: a plain min finds it, no argmin (whose index travels through every shuffle of the
+    reduction). Keys of 0 (blocks a row does not see) never enter."""
     for kb in range(lo, hi):
         s = _score_block(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, kb, pos, j, d, BS, DOT_F32, CAUSAL)
         key = packed_block_key(s, kb, own, LOCAL, INIT, NB_PAD)
-        low, slot = tl.min(top, axis=1, return_indices=True)
-        top = tl.where((col[None, :] == slot[:, None]) & (key > low)[:, None], key[:, None], top)
+        low = tl.min(top, axis=1)
+        top = tl.where((top == low[:, None]) & (key > tl.maximum(low, 0))[:, None], key[:, None], top)
     return top
 
 
@@ -200,14 +204,15 @@ def _score_request_tile(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_s
                     mask=live[:, None], other=0.0)
         if DOT_F32:
             q = q.to(tl.float32)
-        # Running top-k per row (0 = empty slot). Blocks that end at or before the tile's first row need no
+        # Running top-k per row (slot c empty: -1 - c). Blocks that end at or before the tile's first row need no
         # causal mask: ~40 % of the ALU work of a block, and the scorer is ALU-bound once its loads are in flight.
-        top = tl.zeros([BLOCK_M, TOPK_PAD], tl.int64) + tl.where(col < TOPK, 0, _EMPTY_SLOT).to(tl.int64)[None, :]
+        empty = tl.where(col < TOPK, -1 - col.to(tl.int64), _EMPTY_SLOT)
+        top = tl.zeros([BLOCK_M, TOPK_PAD], tl.int64) + empty[None, :]
         bt_row = bt_ptr + b * bt_sb
         unmasked_end = tl.maximum(lo, tl.minimum(hi, (first + tile * ROWS + 1) // BS))
-        top = _running_topk(top, lo, unmasked_end, q, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, pos, own, col, j, d,
+        top = _running_topk(top, lo, unmasked_end, q, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, pos, own, j, d,
                             LOCAL, INIT, BS, DOT_F32, NB_PAD, False)
-        top = _running_topk(top, unmasked_end, hi, q, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, pos, own, col, j, d,
+        top = _running_topk(top, unmasked_end, hi, q, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, pos, own, j, d,
                             LOCAL, INIT, BS, DOT_F32, NB_PAD, True)
         keep = live[:, None] & (col < TOPK)[None, :]
         if WRITE_IDS:
@@ -215,9 +220,9 @@ def _score_request_tile(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_s
             tl.store(out_ptr + g[:, None] * o_sh + (row0 + rows)[:, None] * o_st + col[None, :] * o_sk, ids,
                      mask=keep)
         else:
-            # candidates [Hkv, T, SPLITS, TOPK_PAD]; slots past k are stored as 0 (no block)
+            # candidates [Hkv, T, SPLITS, TOPK_PAD]; empty slots and slots past k are stored as 0 (no block)
             off = (((g.to(tl.int64) * T_TOTAL + row0 + rows) * SPLITS + split) * TOPK_PAD)[:, None] + col[None, :]
-            tl.store(cand_ptr + off, tl.where(col[None, :] < TOPK, top, 0), mask=live[:, None])
+            tl.store(cand_ptr + off, tl.where((col[None, :] < TOPK) & (top > 0), top, 0), mask=live[:, None])
 
 
 @triton.jit
