@@ -127,30 +127,3 @@ def test_adversarial_topk_buffer_memcheck():
     own = (seq_lens.repeat_interleave(3) - 3 + torch.arange(batch * 3, device="cuda").remainder(3)).div(
         BS, rounding_mode="floor")
     assert ((got <= own[None, :, None]) | (got == -1)).all()
-
-
-def test_fast_launch_keys_compiled_kernels_by_specialization(monkeypatch):
-    """``kernels.launch`` reuses a compiled kernel only for arguments that Triton would specialize the same way:
-    an int equal to 1 (compiled as a constant), a multiple of 16, a pointer off 16-byte alignment each need
-    their own compile; repeats go straight to the launcher (the JIT must not run)."""
-    import triton
-    import triton.language as tl
-
-    from m3sparse.kernels.launch import launch
-
-    @triton.jit
-    def gather(x_ptr, y_ptr, n, stride, BLOCK: tl.constexpr):
-        i = tl.arange(0, BLOCK)
-        tl.store(y_ptr + i, tl.load(x_ptr + i * stride, mask=i < n), mask=i < n)
-
-    x = torch.randn(8192, device="cuda")
-    cases = [(0, 1, 64), (0, 2, 64), (1, 1, 64), (0, 16, 48), (3, 17, 33), (0, 1, 64), (5, 3, 33), (1, 1, 64),
-             (0, 16, 48)]
-    for i, (offset, stride, n) in enumerate(cases):
-        if i == 5:  # every later case repeats a specialization already compiled
-            monkeypatch.setattr(type(gather), "run", lambda *a, **k: pytest.fail("the JIT ran for a cached key"))
-        src = x[offset:]
-        y = torch.full((128,), float("nan"), device="cuda")
-        launch(gather, (1,), src, y, n, stride, BLOCK=128)
-        assert torch.equal(y[:n], src[::stride][:n]), (offset, stride, n)
-        assert y[n:].isnan().all()

@@ -1,0 +1,73 @@
+"""``kernels.launch`` calls a compiled kernel's launcher directly, keyed on a cheap summary of the arguments: the
+key must tell apart any two arguments that Triton compiles differently (checked against Triton's own
+specialization on the CPU), and on a GPU a repeated key must skip the JIT and still compute the right thing."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from m3sparse.kernels.launch import _specializations, launch  # noqa: E402
+
+
+def _triton_specialization(arg):
+    """What Triton's JIT builds its compile key from, for one argument of a plain (unannotated) parameter."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    with pytest.MonkeyPatch.context() as mp:
+        if not torch.cuda.is_available():
+            # conftest imported triton.language interpreted; the gluon module that the specializer imports on
+            # first use accepts that only while the interpreter is on
+            mp.setenv("TRITON_INTERPRET", "1")
+        return native_specialize_impl(BaseBackend, arg, False, True, True)
+
+
+def _assert_key_refines_triton(args):
+    ours = [_specializations((a,)) for a in args]
+    theirs = [_triton_specialization(a) for a in args]
+    for i, a in enumerate(args):
+        for j, b in enumerate(args):
+            if theirs[i] != theirs[j]:
+                assert ours[i] != ours[j], f"{a!r} and {b!r} share a launch key; Triton: {theirs[i]} vs {theirs[j]}"
+
+
+def test_launch_key_separates_what_triton_compiles_apart():
+    ints = [0, 1, 2, 15, 16, 17, 32, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1,
+            -2**31 - 16, 2**40, 2**40 + 1]
+    base = torch.zeros(64, dtype=torch.uint8)
+    tensors = [base[i:] for i in range(17)]  # every pointer alignment
+    tensors += [torch.zeros(8, dtype=dt) for dt in (torch.float32, torch.bfloat16, torch.float16, torch.int32,
+                                                      torch.int64, torch.float8_e4m3fn, torch.float8_e5m2)]
+    _assert_key_refines_triton(ints + tensors + [0.5, 1.0, True, False, None])
+
+
+@given(st.lists(st.integers(-2**63, 2**63 - 1), min_size=2, max_size=6))
+def test_launch_key_separates_random_ints_triton_compiles_apart(values):
+    _assert_key_refines_triton(values)
+
+
+@pytest.mark.gpu
+def test_fast_launch_keys_compiled_kernels_by_specialization(monkeypatch):
+    """``kernels.launch`` reuses a compiled kernel only for arguments that Triton would specialize the same way:
+    an int equal to 1 (compiled as a constant), a multiple of 16, a pointer off 16-byte alignment each need
+    their own compile; repeats go straight to the launcher (the JIT must not run)."""
+    @triton.jit
+    def gather(x_ptr, y_ptr, n, stride, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(y_ptr + i, tl.load(x_ptr + i * stride, mask=i < n), mask=i < n)
+
+    x = torch.randn(8192, device="cuda")
+    cases = [(0, 1, 64), (0, 2, 64), (1, 1, 64), (0, 16, 48), (3, 17, 33), (0, 1, 64), (5, 3, 33), (1, 1, 64),
+             (0, 16, 48)]
+    for i, (offset, stride, n) in enumerate(cases):
+        if i == 5:  # every later case repeats a specialization already compiled
+            monkeypatch.setattr(type(gather), "run", lambda *a, **k: pytest.fail("the JIT ran for a cached key"))
+        src = x[offset:]
+        y = torch.full((128,), float("nan"), device="cuda")
+        launch(gather, (1,), src, y, n, stride, BLOCK=128)
+        assert torch.equal(y[:n], src[::stride][:n]), (offset, stride, n)
+        assert y[n:].isnan().all()
