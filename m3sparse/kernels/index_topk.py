@@ -57,9 +57,10 @@ def _running_topk(top, lo, hi, q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, p
                   BS: tl.constexpr, DOT_F32: tl.constexpr, NB_PAD: tl.constexpr, CAUSAL: tl.constexpr):
     """top [M, TOPK_PAD] after blocks lo..hi-1: each block's packed key replaces a row's smallest when larger.
 
-    A row's slots hold distinct values (its blocks' keys, distinct negatives while empty), so its minimum marks
-    exactly one slot: a plain min finds it, no argmin (whose index travels through every shuffle of the
-    reduction). Keys of 0 (blocks a row does not see) never enter."""
+    A row's slots hold distinct values (its blocks' keys; while empty, negatives rising from the left), so its
+    minimum marks exactly one slot, the leftmost empty one while any is left: a plain min finds it, no argmin
+    (whose index travels through every shuffle of the reduction). Keys of 0 (blocks a row does not see) never
+    enter."""
     for kb in range(lo, hi):
         s = _score_block(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, kb, pos, j, d, BS, DOT_F32, CAUSAL)
         key = packed_block_key(s, kb, own, LOCAL, INIT, NB_PAD)
@@ -204,9 +205,10 @@ def _score_request_tile(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_s
                     mask=live[:, None], other=0.0)
         if DOT_F32:
             q = q.to(tl.float32)
-        # Running top-k per row (slot c empty: -1 - c). Blocks that end at or before the tile's first row need no
-        # causal mask: ~40 % of the ALU work of a block, and the scorer is ALU-bound once its loads are in flight.
-        empty = tl.where(col < TOPK, -1 - col.to(tl.int64), _EMPTY_SLOT)
+        # Running top-k per row; empty slot c holds c - k, so blocks fill the slots from the left. Blocks that end
+        # at or before the tile's first row need no causal mask: ~40 % of the ALU work of a block, and the scorer is
+        # ALU-bound once its loads are in flight.
+        empty = tl.where(col < TOPK, col.to(tl.int64) - TOPK, _EMPTY_SLOT)
         top = tl.zeros([BLOCK_M, TOPK_PAD], tl.int64) + empty[None, :]
         bt_row = bt_ptr + b * bt_sb
         unmasked_end = tl.maximum(lo, tl.minimum(hi, (first + tile * ROWS + 1) // BS))
