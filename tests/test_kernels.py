@@ -271,6 +271,28 @@ def test_index_prefill_tilings_and_block_splits(target, block_m, splits):
     assert_same_selection(batch, got.cpu(), ref.cpu(), **sel, tol=2e-2 if target == "cuda" else 1e-4)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_index_prefill_writes_every_padding_row(target, splits):
+    """Rows past cu_seqlens_q[-1] get -1 from the scorer's extra row of programs, however many more there are than
+    one pass of those programs covers (here ~4 passes), in every head and column; the rows of the requests as
+    the reference selects them."""
+    from m3sparse.kernels.index_topk import _index_topk_prefill
+    batch = make_batch([(37, 29), (0, 11)], heads=6, kv_heads=3, block_size=16, q_dtype=act_dtype(target), seed=21,
+                       device=device_of(target))
+    pad = 150
+    batch.q = torch.cat([batch.q, torch.randn(pad, *batch.q.shape[1:], device=batch.q.device).to(batch.q.dtype)])
+    batch.index_q = torch.cat([batch.index_q, torch.randn(pad, *batch.index_q.shape[1:], device=batch.q.device)
+                               .to(batch.index_q.dtype)])
+    batch.rows += [(-1, -1)] * pad
+    meta = batch.prefill_meta()
+    got = poisoned_ids(batch.kv_heads, batch.q.shape[0], 5, batch.q.device)
+    _index_topk_prefill(batch.index_q, batch.index_cache, batch.index_block_table, meta["cu_seqlens_q"],
+                        meta["context_lens"], meta["max_query_len"], 5, 1, 0, got, block_m=16, splits=splits)
+    assert (got[:, -pad:] == -1).all()
+    ref = batch.index_prefill(impl=reference, topk=5)
+    assert_same_selection(batch, got.cpu(), ref.cpu(), topk=5, tol=2e-2 if target == "cuda" else 1e-4)
+
+
 def _locate_all(cu, n, tq, tile):
     """locate_prefill for x = 0 .. n-1, through a one-line test kernel: [n, 2] (request, its first tile)."""
     from locate_kernel import locate_kernel
