@@ -160,7 +160,7 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
         block_table.shape[0], sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val,
         out, out.stride(0), out.stride(1), m, l, acc, splits, counts, max_union,
         IS_DECODE=prefill is None, SKIP_TILED=tiled is not None, TQ=tq, G=num_heads // kv_heads,
-        BLOCK_H=block_h, BS=bs, D=dim, TOPK=topk, TOPK_PAD=max(2, next_pow2(topk)),
+        BLOCK_H=block_h, BS=bs, D=dim, TOPK=topk, TOPK_PAD=ids_pad(topk),
         K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
         WRITE_OUT=splits == 1, PDL=pdl, num_warps=4, num_stages=stages, launch_pdl=pdl)
     _merge_split_partials(m, l, acc, out, splits, pdl)
@@ -185,10 +185,15 @@ def _merge_split_partials(m, l, acc, out, splits, pdl):
                num_heads, SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim, PDL=pdl, launch_pdl=pdl)
 
 
+def ids_pad(topk: int) -> int:
+    """Padded width of a row's id vector in both attention kernels: a power of two, at least 2."""
+    return max(2, next_pow2(topk))
+
+
 def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
     """Rows per tile of the tile kernel: M = rows x group near TILE_M (half for fp32 dots, whose operands
     need twice the shared memory), the union's pairwise dedup <= 256 ids."""
-    gp, topk_pad = next_pow2(group), max(2, next_pow2(topk))
+    gp, topk_pad = next_pow2(group), ids_pad(topk)
     tq = max(1, min((TILE_M // 2 if dot_f32 else TILE_M) // gp, 256 // topk_pad, 64))  # <= 64: bits of an int64
     return max(tq, 16 // gp)
 
@@ -202,7 +207,7 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     num_pages, kv_heads, bs, _ = kv_cache.shape
     batch = block_table.shape[0]
     topk = topk_ids.shape[2]
-    topk_pad = max(2, next_pow2(topk))
+    topk_pad = ids_pad(topk)
     group = num_heads // kv_heads
     cu, ctx = prefill if prefill is not None else (decode[0], decode[0])
     seq_lens, dql = decode if decode is not None else (cu, 0)
@@ -268,7 +273,7 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
             raise ValueError(f"decode_query_len={decode_query_len} rows do not fit one tile of the tile kernel")
         if splits is None:
             splits = TILE_PROGRAMS // tiles
-        _tile_attn(q, kv_cache, topk_ids, block_table, seq_lens.shape[0], tq, sc, out, tq * max(2, next_pow2(topk)),
+        _tile_attn(q, kv_cache, topk_ids, block_table, seq_lens.shape[0], tq, sc, out, tq * ids_pad(topk),
                    dot_f32, decode=(seq_lens, decode_query_len), splits=max(1, min(splits, topk)))
         return out
     # Few rows cannot fill the GPU: split each row's blocks across programs and merge exactly.
