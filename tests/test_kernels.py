@@ -254,7 +254,7 @@ def test_index_prefill_never_scores_keys_after_the_row(target, ctx):
     assert picked == [ctx + r >= 101 for r in range(new)]
 
 
-@pytest.mark.parametrize("block_m, splits", [(16, 4), (64, 2), (32, 1)])
+@pytest.mark.parametrize("block_m, splits", [(16, 4), (64, 2), (32, 1), (128, 2)])
 def test_index_prefill_tilings_and_block_splits(target, block_m, splits):
     """The prefill index kernel at other row tilings, its blocks split over programs (merged candidates)."""
     from m3sparse.kernels.index_topk import _index_topk_prefill

@@ -30,6 +30,10 @@ PREFILL_BLOCK_M = 64  # H200 sweep (docs/perf-notes.md): 64 rows x 4 warps
 # and 3 from 5 (each load issued two blocks ahead). 5 against 2 on the H200 (perf-notes v8): 128k 5.20 -> 4.11 ms,
 # 8k on 120k 0.73 -> 0.57, 32k with 4 KV heads 1.16 -> 1.08; only 16k-32k with one KV head lose (5-7 %).
 PREFILL_STAGES = 5
+# Programs that walk many blocks score 128 rows per key block (half the loads per dot; 4 warps, 3 stages: at 5
+# its shared memory leaves one program per SM). H200, graph replays (perf-notes v10): 8k on 120k 0.586 -> 0.549 ms,
+# 32k 0.312 -> 0.280, 128k 4.12 -> 3.85; with <= 32 blocks per program (8k, 16k, 2k on 30k) 64 rows stay faster.
+PREFILL_LONG_BLOCK_M, PREFILL_LONG_STAGES, PREFILL_LONG_MIN_BLOCKS = 128, 3, 64
 SELECT_ONE_WARP_MAX_BLOCKS = 256  # decode selection: one warp per row up to this many (padded) blocks
 DECODE_SCORE_STAGES = 3  # 5 (a third key buffer, one program less per SM) is slower: 32 x 32k index 68.4 -> 74.3 us
 
@@ -259,13 +263,16 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
     if num_tokens == 0 or batch == 0 or width == 0 or max_query_len == 0:
         return out.fill_(-1)
     hkv_pad = next_pow2(kv_heads)
-    block_m = max(block_m or PREFILL_BLOCK_M, 16, hkv_pad)
-    rows_per_tile = block_m // hkv_pad
-    tiles = cdiv(max_query_len, rows_per_tile)
-    if splits is None:
+    given_splits = splits
+    for m in (block_m,) if block_m else (PREFILL_LONG_BLOCK_M, PREFILL_BLOCK_M):
+        block_m = max(m, 16, hkv_pad)
+        tiles = cdiv(max_query_len, block_m // hkv_pad)
         # Few tiles over a long prefix cannot fill the GPU: split their blocks (>= 32 per split).
-        splits = min(cdiv(_PREFILL_TARGET_PROGRAMS, tiles * batch), cdiv(width, 32))
-        splits = next_pow2(max(1, splits))
+        fill = min(cdiv(_PREFILL_TARGET_PROGRAMS, tiles * batch), cdiv(width, 32))
+        splits = given_splits or next_pow2(max(1, fill))
+        if width // splits >= PREFILL_LONG_MIN_BLOCKS:
+            break
+    long_tiles = block_m >= PREFILL_LONG_BLOCK_M
     topk_pad = next_pow2(topk)
     nb_pad = max(16, next_pow2(width))
     cand = torch.empty((kv_heads, num_tokens, splits, topk_pad), dtype=torch.int64, device=index_q.device) \
@@ -276,7 +283,8 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
         out.stride(2), cu_seqlens_q, context_lens, tiles, splits, kv_heads, local_blocks, init_blocks, batch,
         BLOCK_M=block_m, HKV_PAD=hkv_pad, BS=bs, D=dim, DOT_F32=dot_in_fp32(index_q.dtype, index_cache.dtype),
         TOPK=topk, TOPK_PAD=topk_pad, NB_PAD=nb_pad, WRITE_IDS=splits == 1,
-        num_warps=4 if block_m <= 64 else 8, num_stages=PREFILL_STAGES)
+        num_warps=4 if block_m <= PREFILL_LONG_BLOCK_M else 8,
+        num_stages=PREFILL_LONG_STAGES if long_tiles else PREFILL_STAGES)
     if splits > 1:
         merge_rows = max(1, min(64, 2048 // (splits * topk_pad)))
         launch(_merge_topk_kernel, (cdiv(max_query_len, merge_rows), batch, kv_heads),
