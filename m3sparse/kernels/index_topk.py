@@ -30,9 +30,9 @@ PREFILL_BLOCK_M = 64  # H200 sweep (docs/perf-notes.md): 64 rows x 4 warps
 # and 3 from 5 (each load issued two blocks ahead). 5 against 2 on the H200 (perf-notes v8): 128k 5.20 -> 4.11 ms,
 # 8k on 120k 0.73 -> 0.57, 32k with 4 KV heads 1.16 -> 1.08; only 16k-32k with one KV head lose (5-7 %).
 PREFILL_STAGES = 5
-# Programs that walk many blocks score 128 rows per key block (half the loads per dot; 4 warps, 3 stages: at 5
-# its shared memory leaves one program per SM). H200, graph replays (perf-notes v10): 8k on 120k 0.586 -> 0.549 ms,
-# 32k 0.312 -> 0.280, 128k 4.12 -> 3.85; with <= 32 blocks per program (8k, 16k, 2k on 30k) 64 rows stay faster.
+# Programs that walk many blocks score 128 rows per key block (half the key loads per dot), on 4 warps with 3
+# stages (8 warps or 5 stages were slower). H200, graph replays (perf-notes v10): 8k on 120k 0.586 -> 0.549 ms, 32k
+# 0.312 -> 0.280, 128k 4.12 -> 3.85; with <= 32 blocks per program (8k, 16k, 2k on 30k) 64 rows stay faster.
 PREFILL_LONG_BLOCK_M, PREFILL_LONG_STAGES, PREFILL_LONG_MIN_BLOCKS = 128, 3, 64
 SELECT_ONE_WARP_MAX_BLOCKS = 256  # decode selection: one warp per row up to this many (padded) blocks
 DECODE_SCORE_STAGES = 3  # 5 (a third key buffer, one program less per SM) is slower: 32 x 32k index 68.4 -> 74.3 us
@@ -255,6 +255,21 @@ def _fp8_keys(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     return cache_dtype == torch.float8_e4m3fn and not dot_in_fp32(q_dtype, cache_dtype)
 
 
+def _prefill_tiling(max_query_len: int, batch: int, width: int, hkv_pad: int, block_m: int | None,
+                    splits: int | None) -> tuple[int, int, int]:
+    """(rows x index heads per tile, tiles per request, block splits per tile) of the prefill scorer: 128-row
+    tiles when each program still walks >= PREFILL_LONG_MIN_BLOCKS of the table's blocks, else 64 (``block_m`` /
+    ``splits`` given: those)."""
+    for m in (block_m,) if block_m else (PREFILL_LONG_BLOCK_M, PREFILL_BLOCK_M):
+        tile_m = max(m, 16, hkv_pad)
+        tiles = cdiv(max_query_len, tile_m // hkv_pad)
+        # Few tiles over a long prefix cannot fill the GPU: split their blocks (>= 32 per split).
+        tile_splits = splits or next_pow2(max(1, min(cdiv(_PREFILL_TARGET_PROGRAMS, tiles * batch), cdiv(width, 32))))
+        if width // tile_splits >= PREFILL_LONG_MIN_BLOCKS:
+            break
+    return tile_m, tiles, tile_splits
+
+
 def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context_lens, max_query_len, topk,
                         local_blocks, init_blocks, out, block_m=None, splits=None):
     num_tokens, kv_heads, dim = index_q.shape
@@ -263,15 +278,7 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
     if num_tokens == 0 or batch == 0 or width == 0 or max_query_len == 0:
         return out.fill_(-1)
     hkv_pad = next_pow2(kv_heads)
-    given_splits = splits
-    for m in (block_m,) if block_m else (PREFILL_LONG_BLOCK_M, PREFILL_BLOCK_M):
-        block_m = max(m, 16, hkv_pad)
-        tiles = cdiv(max_query_len, block_m // hkv_pad)
-        # Few tiles over a long prefix cannot fill the GPU: split their blocks (>= 32 per split).
-        fill = min(cdiv(_PREFILL_TARGET_PROGRAMS, tiles * batch), cdiv(width, 32))
-        splits = given_splits or next_pow2(max(1, fill))
-        if width // splits >= PREFILL_LONG_MIN_BLOCKS:
-            break
+    block_m, tiles, splits = _prefill_tiling(max_query_len, batch, width, hkv_pad, block_m, splits)
     long_tiles = block_m >= PREFILL_LONG_BLOCK_M
     topk_pad = next_pow2(topk)
     nb_pad = max(16, next_pow2(width))
