@@ -392,8 +392,8 @@ def test_sparse_attn_matches_reference(target, name, kv_dtype, layout, scale_kin
 def test_decode_attention_splits(target, splits, kv_dtype, rows_together):
     """Speculative decode rows, each row split over 1, 3 and 16 programs (per-row kernel) or each request's
     rows as one tile whose block union is split over 1, 3 and 16 programs (tile kernel), merged exactly, against
-    the reference; padding rows 0. (One per-row split on the GPU with 16-bit or fp8 dots is the three-stage
-    launch.)"""
+    the reference; padding rows 0. (One per-row split is the launch that reads each block's page one iteration
+    ahead; on the GPU with 16-bit or fp8 dots also the three-stage one.)"""
     from m3sparse.kernels.sparse_attn import sparse_attn_decode
     name = "speculative-edge" if target != "cuda" else "tp8-spec-decode"
     spec = dict(cases_for(target)[name], q_dtype=act_dtype(target))
