@@ -410,6 +410,37 @@ def test_decode_attention_splits(target, splits, kv_dtype, rows_together):
     assert (out[pad] == 0).all()
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_attention_in_key_chunks(target, splits, kv_dtype, monkeypatch):
+    """The per-row kernel walking each block in two chunks of keys (the one-split decode launch of grids that
+    fill an even number of whole-block waves, ``_row_pipeline``), one and three splits per row, against the
+    reference; padding rows 0."""
+    import m3sparse.kernels.sparse_attn as SA
+    launches = []
+    rule = SA._row_pipeline
+
+    def half_blocks(decode, splits, dot_f32, block_h, bs, programs):
+        launches.append(bs)
+        return max(bs // 2, 16 if target == "cuda" else 1), rule(decode, splits, dot_f32, block_h, bs, programs)[1]
+
+    monkeypatch.setattr(SA, "_row_pipeline", half_blocks)
+    name = "speculative-edge" if target != "cuda" else "tp8-spec-decode"
+    spec = dict(cases_for(target)[name], q_dtype=act_dtype(target))
+    batch = make_batch(**spec, kv_dtype=kv_dtype, scale_kind="scalar", seed=7 + splits, device=device_of(target))
+    ids = batch.index_decode(impl=reference)
+    meta = batch.decode_meta()
+    out = torch.full_like(batch.q, float("nan"))
+    SA.sparse_attn_decode(batch.q, batch.kv_cache, ids, batch.block_table, meta["seq_lens"],
+                          meta["decode_query_len"], 128 ** -0.5, out, batch.k_scale, batch.v_scale, splits=splits,
+                          rows_together=False)
+    assert launches and all(bs // 2 >= (16 if target == "cuda" else 1) for bs in launches), "no chunked launch"
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    assert rel_err(out, batch.attn_decode(ids, impl=reference)) <= attn_tol(target, kv_dtype)
+    pad = [t for t, (b, _) in enumerate(batch.rows) if b < 0]
+    assert (out[pad] == 0).all()
+
+
 # Two id rows of every kind of wrongness: repeats, negative, past the request, int32 extremes.
 BAD_IDS = [[3, 3, -1, 9, 10, 2**31 - 1, -2**31, 0, 1, 1, 5], [9, 100, -7, 5, 5, 5, 1, 9, 0, 2, 4]]
 

@@ -40,7 +40,8 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
                         IS_DECODE: tl.constexpr, SKIP_TILED: tl.constexpr, TQ: tl.constexpr, G: tl.constexpr,
                         BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
                         TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
-                        WRITE_OUT: tl.constexpr, PDL: tl.constexpr, PAGE_AHEAD: tl.constexpr):
+                        WRITE_OUT: tl.constexpr, PDL: tl.constexpr, PAGE_AHEAD: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
     wait_for_producer(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
@@ -71,7 +72,7 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
 
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, D)
-        j = tl.arange(0, BS)
+        SUB: tl.constexpr = BS // BLOCK_N
         q = tl.load(q_ptr + t * q_st + (g * G + h)[:, None] * q_sh + d[None, :], mask=(h < G)[:, None], other=0.0)
         if DOT_F32:
             q = q.to(tl.float32)
@@ -91,9 +92,11 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
             blk, page = _slot_page(ids, valid, kk, lo, bt_row)
         # No branch in the loop body: ignored ids become fully masked blocks (nothing is loaded for them), so the
         # compiler can keep the next block's loads in flight while this one is reduced.
-        for i in range(lo, tl.minimum(TOPK, lo + per_split)):
+        # Each block in SUB chunks of BLOCK_N keys: smaller pipeline stages let more programs share an SM.
+        for chunk in range(lo * SUB, tl.minimum(TOPK, lo + per_split) * SUB):
             if not PAGE_AHEAD:
-                blk, page = _slot_page(ids, valid, kk, i, bt_row)
+                blk, page = _slot_page(ids, valid, kk, chunk // SUB, bt_row)
+            j = (chunk % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
             use = (page >= 0) & (page < num_pages)
             page = tl.where(use, page, 0).to(tl.int64)
             # (j < limit) rather than "& use": the interpreter rejects a scalar bool broadcast into a mask
@@ -105,7 +108,7 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
             m_i, l_i, acc = attend_keys(q, k, v, seen[None, :], m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
                                         vs_ptr + g * vs_sh + slot, seen, K_SCALE, V_SCALE, DOT_F32, False)
             if PAGE_AHEAD:
-                blk, page = _slot_page(ids, valid, kk, i + 1, bt_row)
+                blk, page = _slot_page(ids, valid, kk, (chunk + 1) // SUB, bt_row)
         store_rows(acc * v_mult, m_i, l_i, t, g * G + h, h < G, o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, split,
                    SPLITS, G * tl.num_programs(1), D, WRITE_OUT)
 
@@ -137,6 +140,9 @@ TILE_M, TILE_WARPS, TILE_STAGES, TILE_BLOCK_N = 64, 4, 3, 64
 TILE_MIN_DECODE_TILES, TILE_PROGRAMS = 128, 264
 # Decode rows x KV heads from which each row's k blocks are walked by one program.
 ONE_SPLIT_PROGRAMS = 120
+# One-split decode: programs of whole blocks per wave (one per SM of the H200), the chunk that fits more per SM
+# and the grid size up to which its three-stage form wins (see _row_pipeline).
+ONE_SPLIT_WAVE, ONE_SPLIT_CHUNK, SHORT_SECOND_WAVE = 132, 64, 208
 
 
 class _Scales:
@@ -147,6 +153,24 @@ class _Scales:
         self.k_mode, self.ks, self.ks_h, k_val = scale_args(k_scale if fp8 else None, q)
         self.v_mode, self.vs, self.vs_h, self.v_val = scale_args(v_scale if fp8 else None, q)
         self.k_mult = float(scale) * k_val
+
+
+def _row_pipeline(decode: bool, splits: int, dot_f32: bool, block_h: int, bs: int, programs: int) -> tuple[int, int]:
+    """(keys per chunk, pipeline stages) of a per-row launch of ``programs`` programs over blocks of ``bs`` keys."""
+    if not (decode and splits == 1 and not dot_f32 and block_h == 16):
+        return bs, 2
+    # A decode program that walks all k blocks keeps a third block in flight (H200, TP1 128 x 32k: 146.7 ->
+    # 136.6 us); with splits the loops are short and the third stage costs (32 x 32k, 9 splits: 17.0 -> 19.2).
+    # fp32 dots and larger head groups stay at two: their third stage would not fit in shared memory.
+    # Whole blocks (139 KB of shared memory) run one program per SM; half-block chunks in four stages (104 KB)
+    # run two, so they win where the grid is an even number of whole-block waves, most of all where the last of
+    # them is short; up to ~1.6 waves half blocks in three stages (72 KB) are faster still. H200, one-split TP1
+    # grids, µs (whole / half x 4 / half x 3; docs/perf-notes.md v11): 128 programs 36.7 / 41.5 / 40.7,
+    # 160: 58.4 / 55.2 / 49.7, 256: 69.4 / 67.8 / 85.5, 384: 100.7 / 110.0 / 97.0, 512: 132.5 / 128.6 / 145.4.
+    waves = cdiv(programs, ONE_SPLIT_WAVE)
+    if bs % ONE_SPLIT_CHUNK or bs == ONE_SPLIT_CHUNK or waves % 2:
+        return bs, 3
+    return ONE_SPLIT_CHUNK, 3 if programs <= SHORT_SECOND_WAVE else 4
 
 
 def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, dot_f32,
@@ -161,10 +185,7 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
     m, l, acc = _split_partials(out, splits)
     cu, ctx = prefill if prefill is not None else (seq_lens, seq_lens)
     block_h = max(16, next_pow2(num_heads // kv_heads))
-    # A decode program that walks all k blocks keeps a third block in flight (H200, TP1 128 x 32k: 146.7 ->
-    # 136.6 us); with splits the loops are short and the third stage costs (32 x 32k, 9 splits: 17.0 -> 19.2).
-    # fp32 dots and larger head groups stay at two: their third stage would not fit in shared memory.
-    stages = 3 if prefill is None and splits == 1 and not dot_f32 and block_h == 16 else 2
+    block_n, stages = _row_pipeline(prefill is None, splits, dot_f32, block_h, bs, num_tokens * kv_heads * splits)
     # A decode program that walks all k blocks also reads each block's page one iteration ahead, off the path to
     # the K / V copies (H200, 16-layer graphs, three stages: 128 x 128k 37.8 -> 37.2 us, TP1 128 x 32k 135.6 ->
     # 134.7, 32 x 128k x 4 rows sharing 12/16 29.7 -> 29.2); shorter loops lose with it (32 x 32k, 5 splits: 13.5 ->
@@ -180,7 +201,8 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
         IS_DECODE=prefill is None, SKIP_TILED=tiled is not None, TQ=tq, G=num_heads // kv_heads,
         BLOCK_H=block_h, BS=bs, D=dim, TOPK=topk, TOPK_PAD=ids_pad(topk),
         K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
-        WRITE_OUT=splits == 1, PDL=pdl, PAGE_AHEAD=page_ahead, num_warps=4, num_stages=stages, launch_pdl=pdl)
+        WRITE_OUT=splits == 1, PDL=pdl, PAGE_AHEAD=page_ahead, BLOCK_N=block_n, num_warps=4, num_stages=stages,
+        launch_pdl=pdl)
     _merge_split_partials(m, l, acc, out, splits, pdl)
     return out
 
