@@ -386,6 +386,24 @@ def test_sparse_attn_matches_reference(target, name, kv_dtype, layout, scale_kin
     assert (got[pad] == 0).all()
 
 
+def assert_decode_attention_matches_reference(target, kv_dtype, seed, **launch):
+    """``sparse_attn_decode`` (with ``launch``: splits, rows_together) on speculative rows against the reference;
+    output poisoned first, padding rows 0."""
+    from m3sparse.kernels.sparse_attn import sparse_attn_decode
+    name = "speculative-edge" if target != "cuda" else "tp8-spec-decode"
+    spec = dict(cases_for(target)[name], q_dtype=act_dtype(target))
+    batch = make_batch(**spec, kv_dtype=kv_dtype, scale_kind="scalar", seed=seed, device=device_of(target))
+    ids = batch.index_decode(impl=reference)
+    meta = batch.decode_meta()
+    out = torch.full_like(batch.q, float("nan"))
+    sparse_attn_decode(batch.q, batch.kv_cache, ids, batch.block_table, meta["seq_lens"], meta["decode_query_len"],
+                       128 ** -0.5, out, batch.k_scale, batch.v_scale, **launch)
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    assert rel_err(out, batch.attn_decode(ids, impl=reference)) <= attn_tol(target, kv_dtype)
+    pad = [t for t, (b, _) in enumerate(batch.rows) if b < 0]
+    assert (out[pad] == 0).all()
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("splits", [1, 3, 16])
 @pytest.mark.parametrize("rows_together", [False, True])
@@ -394,20 +412,7 @@ def test_decode_attention_splits(target, splits, kv_dtype, rows_together):
     rows as one tile whose block union is split over 1, 3 and 16 programs (tile kernel), merged exactly, against
     the reference; padding rows 0. (One per-row split is the launch that reads each block's page one iteration
     ahead; on the GPU with 16-bit or fp8 dots also the three-stage one.)"""
-    from m3sparse.kernels.sparse_attn import sparse_attn_decode
-    name = "speculative-edge" if target != "cuda" else "tp8-spec-decode"
-    spec = dict(cases_for(target)[name], q_dtype=act_dtype(target))
-    batch = make_batch(**spec, kv_dtype=kv_dtype, scale_kind="scalar", seed=splits, device=device_of(target))
-    ids = batch.index_decode(impl=reference)
-    ref = batch.attn_decode(ids, impl=reference)
-    meta = batch.decode_meta()
-    out = torch.full_like(batch.q, float("nan"))
-    sparse_attn_decode(batch.q, batch.kv_cache, ids, batch.block_table, meta["seq_lens"], meta["decode_query_len"],
-                       128 ** -0.5, out, batch.k_scale, batch.v_scale, splits=splits, rows_together=rows_together)
-    assert torch.isfinite(out).all(), "unwritten or non-finite output"
-    assert rel_err(out, ref) <= attn_tol(target, kv_dtype)
-    pad = [t for t, (b, _) in enumerate(batch.rows) if b < 0]
-    assert (out[pad] == 0).all()
+    assert_decode_attention_matches_reference(target, kv_dtype, splits, splits=splits, rows_together=rows_together)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
@@ -417,28 +422,17 @@ def test_decode_attention_in_key_chunks(target, splits, kv_dtype, monkeypatch):
     fill an even number of whole-block waves, ``_row_pipeline``), one and three splits per row, against the
     reference; padding rows 0."""
     import m3sparse.kernels.sparse_attn as SA
+    chunk_floor = 16 if target == "cuda" else 1  # the smallest key chunk a GPU dot takes
     launches = []
     rule = SA._row_pipeline
 
     def half_blocks(decode, splits, dot_f32, block_h, bs, programs):
         launches.append(bs)
-        return max(bs // 2, 16 if target == "cuda" else 1), rule(decode, splits, dot_f32, block_h, bs, programs)[1]
+        return max(bs // 2, chunk_floor), rule(decode, splits, dot_f32, block_h, bs, programs)[1]
 
     monkeypatch.setattr(SA, "_row_pipeline", half_blocks)
-    name = "speculative-edge" if target != "cuda" else "tp8-spec-decode"
-    spec = dict(cases_for(target)[name], q_dtype=act_dtype(target))
-    batch = make_batch(**spec, kv_dtype=kv_dtype, scale_kind="scalar", seed=7 + splits, device=device_of(target))
-    ids = batch.index_decode(impl=reference)
-    meta = batch.decode_meta()
-    out = torch.full_like(batch.q, float("nan"))
-    SA.sparse_attn_decode(batch.q, batch.kv_cache, ids, batch.block_table, meta["seq_lens"],
-                          meta["decode_query_len"], 128 ** -0.5, out, batch.k_scale, batch.v_scale, splits=splits,
-                          rows_together=False)
-    assert launches and all(bs // 2 >= (16 if target == "cuda" else 1) for bs in launches), "no chunked launch"
-    assert torch.isfinite(out).all(), "unwritten or non-finite output"
-    assert rel_err(out, batch.attn_decode(ids, impl=reference)) <= attn_tol(target, kv_dtype)
-    pad = [t for t, (b, _) in enumerate(batch.rows) if b < 0]
-    assert (out[pad] == 0).all()
+    assert_decode_attention_matches_reference(target, kv_dtype, 7 + splits, splits=splits, rows_together=False)
+    assert launches and all(bs // 2 >= chunk_floor for bs in launches), "no chunked launch"
 
 
 # Two id rows of every kind of wrongness: repeats, negative, past the request, int32 extremes.
