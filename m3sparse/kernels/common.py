@@ -25,6 +25,10 @@ def dot_in_fp32(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     return cache_dtype not in FP8_DTYPES and cache_dtype != q_dtype
 
 
+# Multiprocessors of the H200, on which every grid-size rule of the launchers was measured.
+H200_SMS = 132
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

@@ -17,13 +17,13 @@ import triton
 import triton.language as tl
 
 from .block_keys import block_of_key, packed_block_key
-from .common import cdiv, dot_in_fp32, next_pow2
+from .common import H200_SMS, cdiv, dot_in_fp32, next_pow2
 from .dependent_launch import chained_launch, wait_for_producer
 from .launch import launch
 from .rows import prefill_request_rows
 
 _EMPTY_SLOT = tl.constexpr(2**63 - 1)  # top-k columns past k: never the minimum, never replaced
-_PREFILL_TARGET_PROGRAMS = 264  # two per SM of the H200
+_PREFILL_TARGET_PROGRAMS = 2 * H200_SMS
 _DECODE_MAX_PROGRAMS = 512  # decode scoring grid cap (H200 sweep, docs/perf-notes.md)
 PREFILL_BLOCK_M = 64  # H200 sweep (docs/perf-notes.md): 64 rows x 4 warps
 # The prefill scorer's key loads hang off a block-table load, so Triton keeps 2 key buffers below 5 stages

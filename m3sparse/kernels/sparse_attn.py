@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .._validation import FP8_DTYPES
-from .common import cdiv, dot_in_fp32, next_pow2, scale_args
+from .common import H200_SMS, cdiv, dot_in_fp32, next_pow2, scale_args
 from .dependent_launch import chained_launch, dependent_launch_works, wait_for_producer
 from .launch import launch
 from .online_softmax import attend_keys, store_rows
@@ -137,12 +137,12 @@ def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, H, SPLITS: tl
 TILE_M, TILE_WARPS, TILE_STAGES, TILE_BLOCK_N = 64, 4, 3, 64
 # Decode tiles: at least this many (request, KV head) tiles, each union split over about two programs per SM
 # (the tile kernel's shared memory fits two).
-TILE_MIN_DECODE_TILES, TILE_PROGRAMS = 128, 264
+TILE_MIN_DECODE_TILES, TILE_PROGRAMS = 128, 2 * H200_SMS
 # Decode rows x KV heads from which each row's k blocks are walked by one program.
 ONE_SPLIT_PROGRAMS = 120
-# One-split decode: programs of whole blocks per wave (one per SM of the H200), the chunk that fits more per SM
-# and the grid size up to which its three-stage form wins (see _row_pipeline).
-ONE_SPLIT_WAVE, ONE_SPLIT_CHUNK, SHORT_SECOND_WAVE = 132, 64, 208
+# One-split decode: the key chunk that fits more programs per SM than whole blocks, and the grid size up to which
+# its three-stage form wins (see _row_pipeline).
+ONE_SPLIT_CHUNK, SHORT_SECOND_WAVE = 64, 208
 
 
 class _Scales:
@@ -155,22 +155,28 @@ class _Scales:
         self.k_mult = float(scale) * k_val
 
 
-def _row_pipeline(decode: bool, splits: int, dot_f32: bool, block_h: int, bs: int, programs: int) -> tuple[int, int]:
-    """(keys per chunk, pipeline stages) of a per-row launch of ``programs`` programs over blocks of ``bs`` keys."""
-    if not (decode and splits == 1 and not dot_f32 and block_h == 16):
-        return bs, 2
-    # A decode program that walks all k blocks keeps a third block in flight (H200, TP1 128 x 32k: 146.7 ->
-    # 136.6 us); with splits the loops are short and the third stage costs (32 x 32k, 9 splits: 17.0 -> 19.2).
-    # fp32 dots and larger head groups stay at two: their third stage would not fit in shared memory.
+def _row_pipeline(decode: bool, splits: int, dot_f32: bool, block_h: int, bs: int,
+                  programs: int) -> tuple[int, int, bool]:
+    """(keys per chunk, pipeline stages, pages read one iteration ahead) of a per-row launch of ``programs``
+    programs over blocks of ``bs`` keys."""
+    # A decode program that walks all k blocks reads each block's page one iteration ahead, off the path to the
+    # K / V copies (H200, 16-layer graphs, three stages: 128 x 128k 37.8 -> 37.2 us, TP1 128 x 32k 135.6 -> 134.7,
+    # 32 x 128k x 4 rows sharing 12/16 29.7 -> 29.2); shorter loops lose with it (32 x 32k, 5 splits: 13.5 -> 13.8;
+    # prefill 32k random 3.82 -> 4.13 ms).
+    page_ahead = decode and splits == 1
+    if not (page_ahead and not dot_f32 and block_h == 16):
+        return bs, 2, page_ahead
+    # Such a program also keeps a third block in flight (H200, TP1 128 x 32k: 146.7 -> 136.6 us); with splits the
+    # loops are short and the third stage costs (32 x 32k, 9 splits: 17.0 -> 19.2). fp32 dots and larger head
+    # groups stay at two: their third stage would not fit in shared memory.
     # Whole blocks (139 KB of shared memory) run one program per SM; half-block chunks in four stages (104 KB)
     # run two, so they win where the grid is an even number of whole-block waves, most of all where the last of
     # them is short; up to ~1.6 waves half blocks in three stages (72 KB) are faster still. H200, one-split TP1
     # grids, µs (whole / half x 4 / half x 3; docs/perf-notes.md v11): 128 programs 36.7 / 41.5 / 40.7,
     # 160: 58.4 / 55.2 / 49.7, 256: 69.4 / 67.8 / 85.5, 384: 100.7 / 110.0 / 97.0, 512: 132.5 / 128.6 / 145.4.
-    waves = cdiv(programs, ONE_SPLIT_WAVE)
-    if bs % ONE_SPLIT_CHUNK or bs == ONE_SPLIT_CHUNK or waves % 2:
-        return bs, 3
-    return ONE_SPLIT_CHUNK, 3 if programs <= SHORT_SECOND_WAVE else 4
+    if bs % ONE_SPLIT_CHUNK or bs == ONE_SPLIT_CHUNK or cdiv(programs, H200_SMS) % 2:
+        return bs, 3, True
+    return ONE_SPLIT_CHUNK, 3 if programs <= SHORT_SECOND_WAVE else 4, True
 
 
 def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, dot_f32,
@@ -185,12 +191,8 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
     m, l, acc = _split_partials(out, splits)
     cu, ctx = prefill if prefill is not None else (seq_lens, seq_lens)
     block_h = max(16, next_pow2(num_heads // kv_heads))
-    block_n, stages = _row_pipeline(prefill is None, splits, dot_f32, block_h, bs, num_tokens * kv_heads * splits)
-    # A decode program that walks all k blocks also reads each block's page one iteration ahead, off the path to
-    # the K / V copies (H200, 16-layer graphs, three stages: 128 x 128k 37.8 -> 37.2 us, TP1 128 x 32k 135.6 ->
-    # 134.7, 32 x 128k x 4 rows sharing 12/16 29.7 -> 29.2); shorter loops lose with it (32 x 32k, 5 splits: 13.5 ->
-    # 13.8; prefill 32k random 3.82 -> 4.13 ms).
-    page_ahead = prefill is None and splits == 1
+    block_n, stages, page_ahead = _row_pipeline(prefill is None, splits, dot_f32, block_h, bs,
+                                                num_tokens * kv_heads * splits)
     counts, tq, max_union = tiled if tiled is not None else (seq_lens, 1, 0)
     launch(_sparse_attn_kernel, (num_tokens, kv_heads, splits),
         q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
@@ -317,11 +319,11 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
                    dot_f32, decode=(seq_lens, decode_query_len), splits=max(1, min(splits, topk)))
         return out
     # Few rows cannot fill the GPU: split each row's blocks across programs and merge exactly.
-    # Targets measured on the H200 (132 SMs): two programs per SM for tiny batches; once the rows give about one
+    # Targets measured on the H200: two programs per SM for tiny batches; once the rows give about one
     # program per SM, one split of all k blocks with three stages (128 x 32k: 41.2 -> 38.3 us against two splits),
     # launched dependent on the kernel before it (attend 37.5 -> 36.9 us, index + attend unchanged).
     num_programs = q.shape[0] * kv_heads
-    target = 264 if num_programs < 64 else 132
+    target = 2 * H200_SMS if num_programs < 64 else H200_SMS
     if splits is None:
         splits = 1 if num_programs >= ONE_SPLIT_PROGRAMS else cdiv(target, num_programs)
     pdl = chained_launch(q.device, q.shape[0]) or (splits == 1 and dependent_launch_works(q.device))
