@@ -153,7 +153,7 @@ GPU_CASES = {
                             block_size=128, decode_query_len=1),
     "tp8-spec-decode": dict(requests=[(70_000, 4), (2046, 4), (-4, 4)], heads=8, kv_heads=1, block_size=128,
                             decode_query_len=4, index_dtype=torch.float8_e4m3fn),
-    # <= 256 blocks: the one-warp selection
+    # <= 256 blocks: the four-warp selection
     "tp4-decode-32k": dict(requests=[(32_000, 1), (129, 1), (3, 1), (-1, 1)], heads=16, kv_heads=1,
                            block_size=128, decode_query_len=1),
 }
@@ -206,6 +206,24 @@ def test_decode_index_block_splits(target, name, blocks_per_split):
     index_topk_decode(batch.index_q, batch.index_cache, batch.index_block_table, meta["seq_lens"],
                       meta["decode_query_len"], 5, 2, 1, got, blocks_per_split=blocks_per_split)
     assert_same_selection(batch, got.cpu(), ref, **sel, tol=2e-2 if target == "cuda" else 1e-4)
+
+
+@pytest.mark.parametrize("name", ["decode-many-blocks", "speculative-edge", "tp1-decode-128k", "tp4-decode-32k"])
+@pytest.mark.parametrize("selection", [(16, 1, 0), (5, 2, 1), (4, 0, 0)])
+def test_decode_selection_by_block_groups(target, name, selection, monkeypatch):
+    """Decode selection that first picks the groups of blocks with the best maxima, then the best of their blocks:
+    the path of rows longer than SELECT_ONE_PASS_MAX_BLOCKS, lowered here so that these rows take it."""
+    from m3sparse.kernels import index_topk
+    if name not in cases_for(target):
+        pytest.skip("case sized for the other target")
+    monkeypatch.setattr(index_topk, "SELECT_ONE_PASS_MAX_BLOCKS", 64 if target == "cuda" else 8)
+    spec = dict(cases_for(target)[name], q_dtype=act_dtype(target))
+    batch = make_batch(**spec, seed=len(name), device=device_of(target))
+    topk, local_blocks, init_blocks = selection
+    sel = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
+    got = batch.index_decode(out=poisoned_ids(batch.kv_heads, batch.q.shape[0], topk, batch.q.device), **sel)
+    ref = batch.index_decode(impl=reference, **sel)
+    assert_same_selection(batch, got.cpu(), ref.cpu(), **sel, tol=2e-2 if target == "cuda" else 1e-4)
 
 
 @pytest.mark.parametrize("decode", [True, False])

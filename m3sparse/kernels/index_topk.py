@@ -1,8 +1,9 @@
 """Index scoring (block maxima of index_q . index_k) and top-k block selection.
 
 Decode: ``_block_scores_kernel`` splits each request's blocks over many programs (a decode row alone cannot
-fill the GPU) and writes one fp32 score per (row, head, block); ``_select_topk_kernel`` then picks each row's
-blocks by repeated max over packed keys (``block_keys``), so forced blocks, NaN and ties need no sort.
+fill the GPU) and writes one fp32 score per (row, head, block); ``_select_topk_kernel`` then takes each row's
+k largest packed keys (``block_keys``: forced blocks, NaN and ties are ordered by the key alone) in one bitonic
+top-k.
 
 Prefill: ``_score_topk_kernel`` keeps a running top-k of packed keys per (row, head) in registers while it
 walks the blocks, so no score matrix is written; when a tile's blocks are split across programs (few tiles,
@@ -34,7 +35,11 @@ PREFILL_STAGES = 5
 # stages (8 warps or 5 stages were slower). H200, graph replays (perf-notes v10): 8k on 120k 0.586 -> 0.549 ms, 32k
 # 0.312 -> 0.280, 128k 4.12 -> 3.85; with <= 32 blocks per program (8k, 16k, 2k on 30k) 64 rows stay faster.
 PREFILL_LONG_BLOCK_M, PREFILL_LONG_STAGES, PREFILL_LONG_MIN_BLOCKS = 128, 3, 64
-SELECT_ONE_WARP_MAX_BLOCKS = 256  # decode selection: one warp per row up to this many (padded) blocks
+# Decode selection: 4 warps per row up to this many (padded) blocks, 8 above (H200, 16-layer graphs, index us, 4 / 8
+# warps: 1 x 32k 7.0 / 7.2, 32 x 32k 65.3 / 65.5, 1 x 128k 15.1 / 14.3, 8 x 128k 68.1 / 67.5). Past
+# SELECT_ONE_PASS_MAX_BLOCKS it first picks groups of blocks by their maxima (index us, one pass / groups of
+# 1024 / of 256 blocks: 1 x 256k 24.6 / 23.9 / 22.2, 1 x 1M 112 / 72.5 / 72.6, 4 x 1M 285 / 252.6 / 251.5).
+SELECT_FOUR_WARPS_MAX_BLOCKS, SELECT_ONE_PASS_MAX_BLOCKS = 256, 256
 DECODE_SCORE_STAGES = 3  # 5 (a third key buffer, one program less per SM) is slower: 32 x 32k index 68.4 -> 74.3 us
 
 
@@ -136,22 +141,35 @@ def _block_scores_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_
 
 @triton.jit
 def _select_topk_kernel(sc_ptr, sc_sh, sc_st, out_ptr, o_sh, o_st, o_sk, seq_ptr, width, DQL, LOCAL, INIT,
-                        BS: tl.constexpr, TOPK: tl.constexpr, NB_PAD: tl.constexpr, PDL: tl.constexpr):
+                        BS: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, NB_PAD: tl.constexpr,
+                        GROUP: tl.constexpr, PDL: tl.constexpr):
     wait_for_producer(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
     p = tl.load(seq_ptr + t // DQL) - DQL + t % DQL
     c = tl.where(p >= 0, p // BS, -1)
-    blk = tl.arange(0, NB_PAD)
-    # Not masked by c, so the load does not wait for seq_lens; the slots past c (never written) get key 0.
-    s = tl.load(sc_ptr + g * sc_sh + t * sc_st + blk, mask=blk < width, other=0.0)
-    packed = packed_block_key(s, blk, c, LOCAL, INIT, NB_PAD)
-    row = out_ptr + g * o_sh + t * o_st
-    for r in range(TOPK):
-        best = tl.max(packed, axis=0)
-        pick = block_of_key(best, NB_PAD)
-        tl.store(row + r * o_sk, tl.where(best > 0, pick, -1).to(tl.int32))
-        packed = tl.where(blk == pick, 0, packed)
+    row = sc_ptr + g * sc_sh + t * sc_st
+    # All k picks in bitonic top-k passes of log-depth compare-exchange stages, not k dependent max-reductions
+    # (H200, index us: 1 x 32k 9.0 -> 7.0, 1 x 128k 16.4 -> 14.3, 32 x 32k 67.7 -> 65.3).
+    # Score loads are not masked by c, so they do not wait for seq_lens; slots past c (never written) get key 0.
+    if GROUP == 1:
+        blk = tl.arange(0, NB_PAD)
+        s = tl.load(row + blk, mask=blk < width, other=0.0)
+        top = tl.topk(packed_block_key(s, blk, c, LOCAL, INIT, NB_PAD), K_PAD)
+    else:
+        # Long rows: at most k groups of GROUP blocks hold a block at or above the k-th key, and those groups
+        # have the k best maxima; so pick those groups, then the k best of their blocks.
+        NG: tl.constexpr = NB_PAD // GROUP
+        blk = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        s = tl.load(row + blk, mask=blk < width, other=0.0)
+        best = tl.topk(tl.max(packed_block_key(s, blk, c, LOCAL, INIT, NB_PAD), axis=1), K_PAD)
+        # A pick of key 0 (fewer than k groups see a block; NG >= k) names the last group, which sees none either.
+        blk = (block_of_key(best, NB_PAD) // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        s = tl.load(row + blk, mask=blk < width, other=0.0)
+        top = tl.topk(tl.reshape(packed_block_key(s, blk, c, LOCAL, INIT, NB_PAD), [K_PAD * GROUP]), K_PAD)
+    kk = tl.arange(0, K_PAD)
+    tl.store(out_ptr + g * o_sh + t * o_st + kk * o_sk, tl.where(top > 0, block_of_key(top, NB_PAD), -1).to(tl.int32),
+             mask=kk < TOPK)
 
 
 @triton.jit
@@ -332,11 +350,12 @@ def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_
             BLOCK_M=block_m, HKV_PAD=hkv_pad, BS=bs, D=dim, DOT_F32=dot_in_fp32(index_q.dtype, index_cache.dtype),
             K_FP8=_fp8_keys(index_q.dtype, index_cache.dtype), PDL=pdl, num_warps=4, num_stages=DECODE_SCORE_STAGES,
             launch_pdl=pdl)
-    nb_pad = max(16, next_pow2(width))
-    # One warp per row up to 256 blocks: its k reductions stay inside the warp (H200, 1 x 32k: 9.6 -> 9.0 us,
-    # 128 x 32k: 243.4 -> 242.4); at 1024 blocks four warps are faster (1 x 128k: 16.0 vs 18.0).
+    # tl.topk takes a power of two >= 2 (k = 1 trips Triton 3.6), at most the padded block count.
+    k_pad = max(2, next_pow2(topk))
+    nb_pad = max(16, next_pow2(width), k_pad)
     launch(_select_topk_kernel, (num_tokens, kv_heads),
         scores, scores.stride(0), scores.stride(1), out, out.stride(0), out.stride(1), out.stride(2),
-        seq_lens, width, decode_query_len, local_blocks, init_blocks, BS=bs, TOPK=topk, NB_PAD=nb_pad, PDL=pdl,
-        num_warps=1 if nb_pad <= SELECT_ONE_WARP_MAX_BLOCKS else 4, launch_pdl=pdl)
+        seq_lens, width, decode_query_len, local_blocks, init_blocks, BS=bs, TOPK=topk, K_PAD=k_pad, NB_PAD=nb_pad,
+        GROUP=max(1, nb_pad // max(SELECT_ONE_PASS_MAX_BLOCKS, k_pad)), PDL=pdl,
+        num_warps=4 if nb_pad <= SELECT_FOUR_WARPS_MAX_BLOCKS else 8, launch_pdl=pdl)
     return out

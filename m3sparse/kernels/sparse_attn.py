@@ -138,8 +138,9 @@ TILE_M, TILE_WARPS, TILE_STAGES, TILE_BLOCK_N = 64, 4, 3, 64
 # Decode tiles: at least this many (request, KV head) tiles, each union split over about two programs per SM
 # (the tile kernel's shared memory fits two).
 TILE_MIN_DECODE_TILES, TILE_PROGRAMS = 128, 2 * H200_SMS
-# Decode rows x KV heads from which each row's k blocks are walked by one program.
-ONE_SPLIT_PROGRAMS = 120
+# Decode rows x KV heads from which each row's k blocks are walked by one program; below the second, split
+# decode grids aim at two programs per SM, from it at one.
+ONE_SPLIT_PROGRAMS, SPLIT_TWO_PER_SM_BELOW = 120, 96
 # One-split decode: the key chunk that fits more programs per SM than whole blocks, and the grid size up to which
 # its three-stage form wins (see _row_pipeline).
 ONE_SPLIT_CHUNK, SHORT_SECOND_WAVE = 64, 208
@@ -319,11 +320,13 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
                    dot_f32, decode=(seq_lens, decode_query_len), splits=max(1, min(splits, topk)))
         return out
     # Few rows cannot fill the GPU: split each row's blocks across programs and merge exactly.
-    # Targets measured on the H200: two programs per SM for tiny batches; once the rows give about one
-    # program per SM, one split of all k blocks with three stages (128 x 32k: 41.2 -> 38.3 us against two splits),
-    # launched dependent on the kernel before it (attend 37.5 -> 36.9 us, index + attend unchanged).
+    # Targets measured on the H200: two programs per SM below SPLIT_TWO_PER_SM_BELOW rows x KV heads (16-layer
+    # graphs, attend us: 64 x 32k 28.2 with 3 splits, 26.3 with 5; 80 x 32k 33.5 with 2, 32.2 with 4; 96 x 32k
+    # 35.5 with 2, 37.0 with 4); once the rows give about one program per SM, one split of all k blocks with three
+    # stages (128 x 32k: 41.2 -> 38.3 us against two splits), launched dependent on the kernel before it (attend
+    # 37.5 -> 36.9 us, index + attend unchanged).
     num_programs = q.shape[0] * kv_heads
-    target = 2 * H200_SMS if num_programs < 64 else H200_SMS
+    target = 2 * H200_SMS if num_programs < SPLIT_TWO_PER_SM_BELOW else H200_SMS
     if splits is None:
         splits = 1 if num_programs >= ONE_SPLIT_PROGRAMS else cdiv(target, num_programs)
     pdl = chained_launch(q.device, q.shape[0]) or (splits == 1 and dependent_launch_works(q.device))
