@@ -153,7 +153,7 @@ GPU_CASES = {
                             block_size=128, decode_query_len=1),
     "tp8-spec-decode": dict(requests=[(70_000, 4), (2046, 4), (-4, 4)], heads=8, kv_heads=1, block_size=128,
                             decode_query_len=4, index_dtype=torch.float8_e4m3fn),
-    # <= 256 blocks: the four-warp selection
+    # <= 256 blocks: the one-pass, four-warp selection
     "tp4-decode-32k": dict(requests=[(32_000, 1), (129, 1), (3, 1), (-1, 1)], heads=16, kv_heads=1,
                            block_size=128, decode_query_len=1),
 }
