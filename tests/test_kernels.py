@@ -428,8 +428,8 @@ def assert_decode_attention_matches_reference(target, kv_dtype, seed, **launch):
 def test_decode_attention_splits(target, splits, kv_dtype, rows_together):
     """Speculative decode rows, each row split over 1, 3 and 16 programs (per-row kernel) or each request's
     rows as one tile whose block union is split over 1, 3 and 16 programs (tile kernel), merged exactly, against
-    the reference; padding rows 0. (One per-row split is the launch that reads each block's page one iteration
-    ahead; on the GPU with 16-bit or fp8 dots also the three-stage one.)"""
+    the reference; padding rows 0. (These small per-row grids read each block's page one iteration ahead; on the
+    GPU with 16-bit or fp8 dots in three stages.)"""
     assert_decode_attention_matches_reference(target, kv_dtype, splits, splits=splits, rows_together=rows_together)
 
 

@@ -138,9 +138,9 @@ TILE_M, TILE_WARPS, TILE_STAGES, TILE_BLOCK_N = 64, 4, 3, 64
 # Decode tiles: at least this many (request, KV head) tiles, each union split over about two programs per SM
 # (the tile kernel's shared memory fits two).
 TILE_MIN_DECODE_TILES, TILE_PROGRAMS = 128, 2 * H200_SMS
-# Decode rows x KV heads from which each row's k blocks are walked by one program; below the second, split
-# decode grids aim at two programs per SM, from it at one.
-ONE_SPLIT_PROGRAMS, SPLIT_TWO_PER_SM_BELOW = 120, 96
+# Decode rows x KV heads below which a row's blocks are split over two programs per SM (from it: as many splits
+# as fill one wave of one program per SM, one split from ~67).
+SPLIT_TWO_PER_SM_BELOW = 48
 # One-split decode: the key chunk that fits more programs per SM than whole blocks, and the grid size up to which
 # its three-stage form wins (see _row_pipeline).
 ONE_SPLIT_CHUNK, SHORT_SECOND_WAVE = 64, 208
@@ -160,16 +160,17 @@ def _row_pipeline(decode: bool, splits: int, dot_f32: bool, block_h: int, bs: in
                   programs: int) -> tuple[int, int, bool]:
     """(keys per chunk, pipeline stages, pages read one iteration ahead) of a per-row launch of ``programs``
     programs over blocks of ``bs`` keys."""
-    # A decode program that walks all k blocks reads each block's page one iteration ahead, off the path to the
-    # K / V copies (H200, 16-layer graphs, three stages: 128 x 128k 37.8 -> 37.2 us, TP1 128 x 32k 135.6 -> 134.7,
-    # 32 x 128k x 4 rows sharing 12/16 29.7 -> 29.2); shorter loops lose with it (32 x 32k, 5 splits: 13.5 -> 13.8;
-    # prefill 32k random 3.82 -> 4.13 ms).
-    page_ahead = decode and splits == 1
+    # A decode program that walks all k blocks, or a split of them in a grid of at most one program per SM, reads
+    # each block's page one iteration ahead, off the path to the K / V copies (H200, 16-layer graphs, three stages:
+    # 128 x 128k 37.8 -> 37.2 us, TP1 128 x 32k 135.6 -> 134.7, 32 x 128k x 4 rows sharing 12/16 29.7 -> 29.2);
+    # shorter loops of larger grids lose with it (32 x 32k, 5 splits: 13.5 -> 13.8; prefill 32k random 3.82 ->
+    # 4.13 ms).
+    page_ahead = decode and (splits == 1 or programs <= H200_SMS)
     if not (page_ahead and not dot_f32 and block_h == 16):
         return bs, 2, page_ahead
-    # Such a program also keeps a third block in flight (H200, TP1 128 x 32k: 146.7 -> 136.6 us); with splits the
-    # loops are short and the third stage costs (32 x 32k, 9 splits: 17.0 -> 19.2). fp32 dots and larger head
-    # groups stay at two: their third stage would not fit in shared memory.
+    # Such a program also keeps a third block in flight (H200, TP1 128 x 32k: 146.7 -> 136.6 us); in split grids of
+    # two or more programs per SM the loops are short and the third stage costs (32 x 32k, 9 splits: 17.0 -> 19.2).
+    # fp32 dots and larger head groups stay at two: their third stage would not fit in shared memory.
     # Whole blocks (139 KB of shared memory) run one program per SM; half-block chunks in four stages (104 KB)
     # run two, so they win where the grid is an even number of whole-block waves, most of all where the last of
     # them is short; up to ~1.6 waves half blocks in three stages (72 KB) are faster still. H200, one-split TP1
@@ -320,15 +321,16 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
                    dot_f32, decode=(seq_lens, decode_query_len), splits=max(1, min(splits, topk)))
         return out
     # Few rows cannot fill the GPU: split each row's blocks across programs and merge exactly.
-    # Targets measured on the H200: two programs per SM below SPLIT_TWO_PER_SM_BELOW rows x KV heads (16-layer
-    # graphs, attend us: 64 x 32k 28.2 with 3 splits, 26.3 with 5; 80 x 32k 33.5 with 2, 32.2 with 4; 96 x 32k
-    # 35.5 with 2, 37.0 with 4); once the rows give about one program per SM, one split of all k blocks with three
-    # stages (128 x 32k: 41.2 -> 38.3 us against two splits), launched dependent on the kernel before it (attend
-    # 37.5 -> 36.9 us, index + attend unchanged).
+    # Measured on the H200 (16-layer graphs, attend us): two programs per SM below SPLIT_TWO_PER_SM_BELOW rows x KV
+    # heads; from there as many splits as fill one wave of one program per SM, each walking its blocks in three
+    # stages with pages read ahead (shipped two-per-SM split -> one wave: 64 x 32k 26.5 -> 23.9, 16 x 128k x 4
+    # rows sharing 12/16 18.6 -> 16.9, independent 25.3 -> 22.4, 80 x 32k 31.2 -> 30.5, 96 x 32k 34.2 -> 32.9,
+    # 48 x 32k 18.3 / 18.5); one split of all k blocks from ~one program per SM (128 x 32k: 41.2 -> 38.3 us
+    # against two splits), launched dependent on the kernel before it (attend 37.5 -> 36.9 us).
     num_programs = q.shape[0] * kv_heads
-    target = 2 * H200_SMS if num_programs < SPLIT_TWO_PER_SM_BELOW else H200_SMS
     if splits is None:
-        splits = 1 if num_programs >= ONE_SPLIT_PROGRAMS else cdiv(target, num_programs)
+        splits = cdiv(2 * H200_SMS, num_programs) if num_programs < SPLIT_TWO_PER_SM_BELOW \
+            else max(1, H200_SMS // num_programs)
     pdl = chained_launch(q.device, q.shape[0]) or (splits == 1 and dependent_launch_works(q.device))
     return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, dot_f32,
                      pdl=pdl)
