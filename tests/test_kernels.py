@@ -272,19 +272,21 @@ def test_index_prefill_never_scores_keys_after_the_row(target, ctx):
     assert picked == [ctx + r >= 101 for r in range(new)]
 
 
-@pytest.mark.parametrize("block_m, splits", [(16, 4), (64, 2), (32, 1), (128, 2)])
-def test_index_prefill_tilings_and_block_splits(target, block_m, splits):
-    """The prefill index kernel at other row tilings, its blocks split over programs (merged candidates)."""
+@pytest.mark.parametrize("block_m, splits, topk", [(16, 4, 5), (64, 2, 5), (32, 1, 5), (128, 2, 5), (64, 4, 1)])
+def test_index_prefill_tilings_and_block_splits(target, block_m, splits, topk):
+    """The prefill index kernel at other row tilings, its blocks split over programs (merged candidates; k = 1
+    merges with a top-k of two, the narrowest the bitonic top-k takes)."""
     from m3sparse.kernels.index_topk import _index_topk_prefill
     spec = dict(requests=[(37, 29), (0, 45), (150, 3)], heads=6, kv_heads=3, block_size=16)
     if target == "cuda":
         spec = dict(requests=[(9000, 700), (0, 2100), (130_000, 9)], heads=16, kv_heads=1, block_size=128)
     batch = make_batch(**spec, q_dtype=act_dtype(target), seed=block_m + splits, device=device_of(target))
     meta = batch.prefill_meta()
-    sel = dict(topk=5, local_blocks=2, init_blocks=1)
-    got = poisoned_ids(batch.kv_heads, batch.q.shape[0], 5, batch.q.device)
+    sel = dict(topk=topk, local_blocks=min(2, topk - 1), init_blocks=int(topk > 2))
+    got = poisoned_ids(batch.kv_heads, batch.q.shape[0], topk, batch.q.device)
     _index_topk_prefill(batch.index_q, batch.index_cache, batch.index_block_table, meta["cu_seqlens_q"],
-                        meta["context_lens"], meta["max_query_len"], 5, 2, 1, got, block_m=block_m, splits=splits)
+                        meta["context_lens"], meta["max_query_len"], topk, sel["local_blocks"], sel["init_blocks"],
+                        got, block_m=block_m, splits=splits)
     ref = batch.index_prefill(impl=reference, **sel)
     assert_same_selection(batch, got.cpu(), ref.cpu(), **sel, tol=2e-2 if target == "cuda" else 1e-4)
 

@@ -251,7 +251,8 @@ def _score_request_tile(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_s
 
 @triton.jit
 def _merge_topk_kernel(cand_ptr, c_sh, c_st, out_ptr, o_sh, o_st, o_sk, cu_ptr, ROWS: tl.constexpr,
-                       SPLITS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, NB_PAD: tl.constexpr):
+                       SPLITS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                       NB_PAD: tl.constexpr):
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     b = tl.program_id(1)
     g = tl.program_id(2)
@@ -259,12 +260,11 @@ def _merge_topk_kernel(cand_ptr, c_sh, c_st, out_ptr, o_sh, o_st, o_sk, cu_ptr, 
     live = i < tl.load(cu_ptr + b + 1) - row0
     e = tl.arange(0, SPLITS * TOPK_PAD)
     packed = tl.load(cand_ptr + g * c_sh + (row0 + i)[:, None] * c_st + e[None, :], mask=live[:, None], other=0)
-    rows = out_ptr + g * o_sh + (row0 + i) * o_st
-    # Many rows per program: each of the k picks is one reduction along the rows' candidates.
-    for r in range(TOPK):
-        best = tl.max(packed, axis=1)
-        tl.store(rows + r * o_sk, tl.where(best > 0, block_of_key(best, NB_PAD), -1).to(tl.int32), mask=live)
-        packed = tl.where(packed == best[:, None], 0, packed)
+    # The splits' candidates are distinct blocks (disjoint block ranges); empty ones are 0 and become -1.
+    top = tl.topk(packed, K_PAD)
+    kk = tl.arange(0, K_PAD)
+    tl.store(out_ptr + g * o_sh + (row0 + i)[:, None] * o_st + kk[None, :] * o_sk,
+             tl.where(top > 0, block_of_key(top, NB_PAD), -1).to(tl.int32), mask=live[:, None] & (kk < TOPK)[None, :])
 
 
 def _fp8_keys(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
@@ -314,7 +314,8 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
         merge_rows = max(1, min(64, 2048 // (splits * topk_pad)))
         launch(_merge_topk_kernel, (cdiv(max_query_len, merge_rows), batch, kv_heads),
                cand, cand.stride(0), cand.stride(1), out, out.stride(0), out.stride(1), out.stride(2), cu_seqlens_q,
-               ROWS=merge_rows, SPLITS=splits, TOPK=topk, TOPK_PAD=topk_pad, NB_PAD=nb_pad, num_warps=4)
+               ROWS=merge_rows, SPLITS=splits, TOPK=topk, TOPK_PAD=topk_pad, K_PAD=max(2, topk_pad), NB_PAD=nb_pad,
+               num_warps=4)
     return out
 
 
