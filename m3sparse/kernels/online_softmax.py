@@ -7,7 +7,7 @@ import triton.language as tl
 
 @triton.jit
 def attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptrs, vs_ptrs, slot_mask, K_SCALE: tl.constexpr,
-                V_SCALE: tl.constexpr, DOT_F32: tl.constexpr, EXP2: tl.constexpr):
+                V_SCALE: tl.constexpr, DOT_F32: tl.constexpr, EXP2: tl.constexpr, MASKED: tl.constexpr = True):
     """Fold keys k / values v [N, D] into the running (max m_i [M], sum l_i [M], accumulator acc [M, D]).
 
     seen: which (row, key) pairs count, broadcastable to [M, N]; ks_ptrs / vs_ptrs: per-slot fp8 scales of the
@@ -21,7 +21,8 @@ def attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptrs, vs_ptrs, slot_mas
     s = s * k_mult
     if K_SCALE == 2:
         s = s * tl.load(ks_ptrs, mask=slot_mask, other=0.0)[None, :]
-    s = tl.where(seen, s, float("-inf"))
+    if MASKED:
+        s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # no key seen yet: keep exp() finite
     if EXP2:

@@ -36,7 +36,7 @@ def _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_row_ptr, width,
     """Write the distinct valid block ids of a (tile, KV head) to entries[0, :count], their pages (-1 outside
     the cache) to entries[1], and, as a bit per tile row, which rows chose them to entries[2]. The first ones
     are the n_full blocks in the cache that end at or before the tile's first row (every row sees all their
-    keys); return (count, n_full)."""
+    keys), and the first n_all of those every row of the tile chose; return (count, n_all, n_full)."""
     N: tl.constexpr = TQ * TOPK_PAD
     e, r, k, pos, live = _tile_lanes(first, nrows, N, TOPK_PAD, TOPK)
     ids = tl.load(ids_ptr + g * id_sh + (row0 + r) * id_st + k * id_sk, mask=live, other=-1)
@@ -53,13 +53,20 @@ def _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_row_ptr, width,
     page = tl.load(bt_row_ptr + ids, mask=keep, other=-1)
     page = tl.where((page >= 0) & (page < num_pages), page, -1)
     full = keep & (page >= 0) & (ids * BS + BS - 1 <= first)
-    n_full = tl.sum(full.to(tl.int32), axis=0)
-    slot = tl.where(full, tl.cumsum(full.to(tl.int32), axis=0),
-                    n_full + tl.cumsum((keep & ~full).to(tl.int32), axis=0)) - 1
+    # Of those, the ones every row of the tile chose come first: their scores need no mask (rows past nrows are
+    # never stored). `every` is 2^n - 1 for the tile's n rows, built without a shift by 64.
+    every = (((tl.full([N], 1, tl.int64) << (tl.maximum(tl.minimum(nrows, TQ), 1) - 1).to(tl.int64)) - 1) << 1) | 1
+    everyone = full & (rows == every)
+    some = full & ~everyone
+    n_all = tl.sum(everyone.to(tl.int32), axis=0)
+    n_full = n_all + tl.sum(some.to(tl.int32), axis=0)
+    slot = tl.where(everyone, tl.cumsum(everyone.to(tl.int32), axis=0),
+                    tl.where(some, n_all + tl.cumsum(some.to(tl.int32), axis=0),
+                             n_full + tl.cumsum((keep & ~full).to(tl.int32), axis=0))) - 1
     tl.store(entries + slot, ids.to(tl.int64), mask=keep)
     tl.store(entries + N + slot, page.to(tl.int64), mask=keep)
     tl.store(entries + 2 * N + slot, rows, mask=keep)
-    return tl.sum(keep.to(tl.int32), axis=0), n_full
+    return tl.sum(keep.to(tl.int32), axis=0), n_all, n_full
 
 
 @triton.jit
@@ -72,10 +79,11 @@ def _union_entry(entries, u, N: tl.constexpr):
 def _attend_chunks(entries, lo, hi, q, kv_ptr, kv_sp, kv_sh, kv_ss, kv_off, ks_ptr, ks_sh, vs_ptr, vs_sh, k_mult, m_i,
                    l_i, acc, g, r, pos, last_pos, BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                    N: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
-                   FULL: tl.constexpr):
+                   MODE: tl.constexpr):
     """Fold union entries lo..hi-1 into (m_i, l_i, acc), in BS / BLOCK_N key chunks each (smaller chunks leave
-    shared memory for more stages). FULL: the entries are in the cache and every row sees all their
-    keys, so a key counts for exactly the rows that chose its block: no causal mask."""
+    shared memory for more stages). MODE 1: the entries are in the cache and every row sees all their keys, so a
+    key counts for exactly the rows that chose its block: no causal mask, no load mask. MODE 0: besides, every
+    row chose them: no mask at all. MODE 2: any entry (rows, causal and load masks)."""
     SUB: tl.constexpr = BS // BLOCK_N
     # Each chunk's entry is read one chunk ahead, so the K / V addresses do not hang off a load of the same
     # iteration: Triton then keeps those loads two chunks ahead with three stages (an entry loaded in the
@@ -92,24 +100,28 @@ def _attend_chunks(entries, lo, hi, q, kv_ptr, kv_sp, kv_sh, kv_ss, kv_off, ks_p
         key_pos = blk.to(tl.int32) * BS + j
         # Keys after the tile's last row are never seen: not loaded, so garbage there cannot reach a dot.
         loaded = (key_pos <= last_pos) & (j < tl.where(use, BS, 0))
-        if FULL:
-            seen = member[:, None]
-        else:
+        if MODE == 2:
             seen = member[:, None] & (key_pos[None, :] <= pos[:, None]) & loaded[None, :]
+        else:
+            seen = member[:, None]
         slot = safe_page * BS + j
         # One scalar pointer per chunk plus loop-invariant int32 offsets: 2 instructions per 16-byte load
         # instead of a 64-bit multiply-add chain.
         base = kv_ptr + safe_page * kv_sp + g * kv_sh + (chunk % SUB) * BLOCK_N * kv_ss + kv_off
-        k = tl.load(base, mask=loaded[:, None], other=0.0)
-        v = tl.load(base + D, mask=loaded[:, None], other=0.0)
+        if MODE < 2:
+            k = tl.load(base)
+            v = tl.load(base + D)
+        else:
+            k = tl.load(base, mask=loaded[:, None], other=0.0)
+            v = tl.load(base + D, mask=loaded[:, None], other=0.0)
         m_i, l_i, acc = attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
-                                    vs_ptr + g * vs_sh + slot, loaded, K_SCALE, V_SCALE, DOT_F32, True)
+                                    vs_ptr + g * vs_sh + slot, loaded, K_SCALE, V_SCALE, DOT_F32, True, MODE > 0)
         blk, page, rows = _union_entry(entries, tl.minimum((chunk + 1) // SUB, hi - 1), N)
     return m_i, l_i, acc
 
 
 @triton.jit
-def _attend_union(entries, lo, hi, n_full, q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr,
+def _attend_union(entries, lo, hi, n_all, n_full, q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr,
                   vs_sh, scale, v_factor, o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, split, SPLITS, H, g, row0, nrows,
                   first, G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr, BS: tl.constexpr,
                   BLOCK_N: tl.constexpr, D: tl.constexpr, N: tl.constexpr, K_SCALE: tl.constexpr,
@@ -136,13 +148,17 @@ def _attend_union(entries, lo, hi, n_full, q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_
     if V_SCALE == 1:
         v_mult = v_mult * tl.load(vs_ptr)
     kv_off = tl.arange(0, BLOCK_N)[:, None] * kv_ss + d[None, :]
+    all_end = tl.minimum(tl.maximum(n_all, lo), hi)
     mid = tl.minimum(tl.maximum(n_full, lo), hi)
-    m_i, l_i, acc = _attend_chunks(entries, lo, mid, q, kv_ptr, kv_sp, kv_sh, kv_ss, kv_off, ks_ptr, ks_sh, vs_ptr,
+    m_i, l_i, acc = _attend_chunks(entries, lo, all_end, q, kv_ptr, kv_sp, kv_sh, kv_ss, kv_off, ks_ptr, ks_sh, vs_ptr,
                                    vs_sh, k_mult, m_i, l_i, acc, g, r, pos, last_pos, BS, BLOCK_N, D, N, K_SCALE,
-                                   V_SCALE, DOT_F32, True)
+                                   V_SCALE, DOT_F32, 0)
+    m_i, l_i, acc = _attend_chunks(entries, all_end, mid, q, kv_ptr, kv_sp, kv_sh, kv_ss, kv_off, ks_ptr, ks_sh, vs_ptr,
+                                   vs_sh, k_mult, m_i, l_i, acc, g, r, pos, last_pos, BS, BLOCK_N, D, N, K_SCALE,
+                                   V_SCALE, DOT_F32, 1)
     m_i, l_i, acc = _attend_chunks(entries, mid, hi, q, kv_ptr, kv_sp, kv_sh, kv_ss, kv_off, ks_ptr, ks_sh, vs_ptr,
                                    vs_sh, k_mult, m_i, l_i, acc, g, r, pos, last_pos, BS, BLOCK_N, D, N, K_SCALE,
-                                   V_SCALE, DOT_F32, False)
+                                   V_SCALE, DOT_F32, 2)
     # m_i is in log2 units here, natural-log units in the partials
     store_rows(acc * v_mult, m_i * 0.6931471805599453, l_i, t, heads, live, o_ptr, o_st, o_sh, m_ptr, l_ptr,
                acc_ptr, split, SPLITS, H, D, WRITE_OUT)
@@ -182,15 +198,15 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
             first = req_first + before
         tile_id = i * HKV + g
         entries = union_ptr + (tile_id * SPLITS + split) * 3 * N
-        count, n_full = _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_ptr + b * bt_sb, width,
-                                           num_pages, g, row0, nrows, first, TQ, TOPK, TOPK_PAD, BS)
+        count, n_all, n_full = _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_ptr + b * bt_sb, width,
+                                                  num_pages, g, row0, nrows, first, TQ, TOPK, TOPK_PAD, BS)
         if split == 0:
             tl.store(count_ptr + tile_id, count)
         tl.debug_barrier()  # every thread's entries are visible to the whole program before they are read back
         if count <= MAX_UNION:
             per_split = tl.cdiv(count, SPLITS)
             lo = tl.minimum(split * per_split, count)
-            _attend_union(entries, lo, tl.minimum(count, lo + per_split), n_full, q_ptr, q_st, q_sh, kv_ptr, kv_sp,
-                          kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st, o_sh, m_ptr,
+            _attend_union(entries, lo, tl.minimum(count, lo + per_split), n_all, n_full, q_ptr, q_st, q_sh, kv_ptr,
+                          kv_sp, kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st, o_sh, m_ptr,
                           l_ptr, acc_ptr, split, SPLITS, G * HKV, g, row0, nrows, first, G, GP, TQ, BS, BLOCK_N, D,
                           N, K_SCALE, V_SCALE, DOT_F32, WRITE_OUT)
