@@ -33,6 +33,12 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def ids_pad(topk: int) -> int:
+    """Padded width of a row's k ids in the kernels: a power of two, at least 2 (``tl.topk`` takes no narrower:
+    k = 1 trips Triton 3.6)."""
+    return max(2, next_pow2(topk))
+
+
 def cdiv(a: int, b: int) -> int:
     """Host-side ceil division: ``triton.cdiv`` is a constexpr function whose Python call costs ~2 µs."""
     return -(-a // b)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .block_keys import block_of_key, packed_block_key
-from .common import H200_SMS, cdiv, dot_in_fp32, next_pow2
+from .common import H200_SMS, cdiv, dot_in_fp32, ids_pad, next_pow2
 from .dependent_launch import chained_launch, wait_for_producer
 from .launch import launch
 from .rows import prefill_request_rows
@@ -314,7 +314,7 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
         merge_rows = max(1, min(64, 2048 // (splits * topk_pad)))
         launch(_merge_topk_kernel, (cdiv(max_query_len, merge_rows), batch, kv_heads),
                cand, cand.stride(0), cand.stride(1), out, out.stride(0), out.stride(1), out.stride(2), cu_seqlens_q,
-               ROWS=merge_rows, SPLITS=splits, TOPK=topk, TOPK_PAD=topk_pad, K_PAD=max(2, topk_pad), NB_PAD=nb_pad,
+               ROWS=merge_rows, SPLITS=splits, TOPK=topk, TOPK_PAD=topk_pad, K_PAD=ids_pad(topk), NB_PAD=nb_pad,
                num_warps=4)
     return out
 
@@ -351,9 +351,8 @@ def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_
             BLOCK_M=block_m, HKV_PAD=hkv_pad, BS=bs, D=dim, DOT_F32=dot_in_fp32(index_q.dtype, index_cache.dtype),
             K_FP8=_fp8_keys(index_q.dtype, index_cache.dtype), PDL=pdl, num_warps=4, num_stages=DECODE_SCORE_STAGES,
             launch_pdl=pdl)
-    # tl.topk takes a power of two >= 2 (k = 1 trips Triton 3.6), at most the padded block count.
-    k_pad = max(2, next_pow2(topk))
-    nb_pad = max(16, next_pow2(width), k_pad)
+    k_pad = ids_pad(topk)
+    nb_pad = max(16, next_pow2(width), k_pad)  # tl.topk picks k_pad of at least as many
     launch(_select_topk_kernel, (num_tokens, kv_heads),
         scores, scores.stride(0), scores.stride(1), out, out.stride(0), out.stride(1), out.stride(2),
         seq_lens, width, decode_query_len, local_blocks, init_blocks, BS=bs, TOPK=topk, K_PAD=k_pad, NB_PAD=nb_pad,

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .._validation import FP8_DTYPES
-from .common import H200_SMS, cdiv, dot_in_fp32, next_pow2, scale_args
+from .common import H200_SMS, cdiv, dot_in_fp32, ids_pad, next_pow2, scale_args
 from .dependent_launch import chained_launch, dependent_launch_works, wait_for_producer
 from .launch import launch
 from .online_softmax import attend_keys, store_rows
@@ -227,11 +227,6 @@ def _merge_split_partials(m, l, acc, out, splits, pdl):
         num_tokens, num_heads, dim = out.shape
         launch(_merge_splits_kernel, (num_tokens, num_heads), m, l, acc, out, out.stride(0), out.stride(1),
                num_heads, SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim, PDL=pdl, launch_pdl=pdl)
-
-
-def ids_pad(topk: int) -> int:
-    """Padded width of a row's id vector in both attention kernels: a power of two, at least 2."""
-    return max(2, next_pow2(topk))
 
 
 def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
