@@ -53,6 +53,11 @@ def write_index_k(index_k: Tensor, index_cache: Tensor, slot_mapping: Tensor) ->
     _dispatch.impl(index_cache).write_index_k(index_k, index_cache, slot_mapping)
 
 
+@_custom_op("m3sparse::quantize_index_q", mutates_args=("out",))
+def quantize_index_q(index_q: Tensor, out: Tensor) -> None:
+    _dispatch.impl(index_q).quantize_index_q(index_q, out)
+
+
 @_custom_op("m3sparse::index_topk_prefill", mutates_args=("out",))
 def index_topk_prefill(index_q: Tensor, index_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
                        seq_lens: Tensor, context_lens: Tensor, max_query_len: int, topk: int, local_blocks: int,

@@ -81,7 +81,9 @@ def _shared_ids(ids: torch.Tensor, dql: int, shared: int = 12) -> torch.Tensor:
     return out.view(heads, rows, k)
 
 
-def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=torch.bfloat16):
+def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=torch.bfloat16,
+                 fp8_queries=False):
+    """``fp8_queries``: the index op quantises its queries with ``quantize_index_q`` (timed with it)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     pages_per = context // BS
     key_bytes = index_dtype.itemsize
@@ -100,10 +102,14 @@ def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=
         iq = torch.randn(requests * dql, kv_heads, D, device="cuda", generator=gen).bfloat16()
         ids = _realistic_ids(seq_lens, dql, kv_heads, gen)
         sets.append(dict(kv=kv, ic=ic, table=table, seq_lens=seq_lens, q=q, iq=iq, ids=ids,
+                         iq8=torch.empty(iq.shape, dtype=torch.float8_e4m3fn, device="cuda"),
                          shared_ids=_shared_ids(ids, dql), ids_out=torch.empty_like(ids), out=torch.empty_like(q)))
 
+    def index_q(s):
+        return m3sparse.quantize_index_q(s["iq"], out=s["iq8"]) if fp8_queries else s["iq"]
+
     def index(s):
-        m3sparse.index_topk_decode(s["iq"], s["ic"], s["table"], s["seq_lens"], dql, out=s["ids_out"])
+        m3sparse.index_topk_decode(index_q(s), s["ic"], s["table"], s["seq_lens"], dql, out=s["ids_out"])
 
     def attend(s):
         m3sparse.sparse_attn_decode(s["q"], s["kv"], s["ids"], s["table"], s["seq_lens"], dql, out=s["out"])
@@ -112,7 +118,7 @@ def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=
         m3sparse.sparse_attn_decode(s["q"], s["kv"], s["shared_ids"], s["table"], s["seq_lens"], dql, out=s["out"])
 
     def both(s):
-        m3sparse.index_topk_decode(s["iq"], s["ic"], s["table"], s["seq_lens"], dql, out=s["ids_out"])
+        m3sparse.index_topk_decode(index_q(s), s["ic"], s["table"], s["seq_lens"], dql, out=s["ids_out"])
         m3sparse.sparse_attn_decode(s["q"], s["kv"], s["ids_out"], s["table"], s["seq_lens"], dql, out=s["out"])
 
     result = {}
@@ -147,14 +153,14 @@ def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=
         exact.copy_(torch.randn(exact.shape, device="cuda", generator=gen))
         s["ic"].copy_(exact)  # the same keys, rounded to fp8
         bf16_ids = m3sparse.index_topk_decode(s["iq"], exact, s["table"], s["seq_lens"], dql)
-        fp8_ids = m3sparse.index_topk_decode(s["iq"], s["ic"], s["table"], s["seq_lens"], dql)
+        fp8_ids = m3sparse.index_topk_decode(index_q(s), s["ic"], s["table"], s["seq_lens"], dql)
         selection_differs = 100 * (bf16_ids.sort(-1).values != fp8_ids.sort(-1).values).any(-1).float().mean().item()
     rows = requests * dql
     floor_index = requests * context * D * key_bytes / HBM_BYTES_PER_S * 1e6
     floor_attend = rows * kv_heads * TOPK * BS * 2 * D * 2 / HBM_BYTES_PER_S * 1e6
     anchor = DECODE_ANCHORS.get((requests, context, dql, heads, kv_heads))
     return dict(requests=requests, context=context, dql=dql, heads=heads, kv_heads=kv_heads, sets=num_sets,
-                index_dtype=str(index_dtype).replace("torch.", ""),
+                index_dtype=str(index_dtype).replace("torch.", ""), fp8_queries=fp8_queries,
                 index_us=result["index"], attend_us=result["attend"], total_us=result["total"],
                 total_single_graph_us=result["total_single"], attend_shared_us=result.get("attend_shared"),
                 fp8_selection_differs_pct=selection_differs,
@@ -215,8 +221,9 @@ def distinct_blocks_per_tile(ids: torch.Tensor, cu: list[int], tile: int = 64) -
 
 
 def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1, reps=10, dense=True,
-                  index_dtype=torch.bfloat16):
-    """``requests`` sequences of ``tokens`` new tokens each on ``prefix`` cached ones, in one varlen batch."""
+                  index_dtype=torch.bfloat16, fp8_queries=False):
+    """``requests`` sequences of ``tokens`` new tokens each on ``prefix`` cached ones, in one varlen batch.
+    ``fp8_queries``: the index op quantises its queries with ``quantize_index_q`` (timed with it)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     seq = prefix + tokens
     pages_per = -(-seq // BS)
@@ -225,6 +232,8 @@ def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1,
     kv.normal_(generator=gen)
     table = torch.randperm(pages, device="cuda", generator=gen).int().view(requests, pages_per)
     ic = m3sparse.new_index_cache(pages, index_dtype, device="cuda")
+    # The same keys in bf16, to count the rows whose selection the fp8 keys (and queries) change.
+    ic_bf16 = m3sparse.new_index_cache(pages, torch.bfloat16, device="cuda") if index_dtype != torch.bfloat16 else None
     positions = torch.arange(prefix, seq, device="cuda")
     iq = []
     for b in range(requests):
@@ -232,6 +241,8 @@ def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1,
         padded = torch.zeros(pages_per * BS, D, device="cuda")
         padded[:seq] = keys
         ic[table[b].long()] = padded.view(pages_per, BS, D).to(index_dtype)
+        if ic_bf16 is not None:
+            ic_bf16[table[b].long()] = padded.view(pages_per, BS, D).bfloat16()
         iq.append(queries)
     iq = torch.cat(iq).bfloat16().contiguous()
     q = torch.randn(requests * tokens, heads, D, device="cuda", generator=gen).bfloat16()
@@ -241,7 +252,9 @@ def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1,
             torch.full((requests,), prefix, dtype=torch.int32, device="cuda"), tokens)
     ids = torch.empty(kv_heads, requests * tokens, TOPK, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
-    index = lambda: m3sparse.index_topk_prefill(iq, ic, *meta, out=ids)  # noqa: E731
+    iq8 = torch.empty(iq.shape, dtype=torch.float8_e4m3fn, device="cuda")
+    index_q = (lambda: m3sparse.quantize_index_q(iq, out=iq8)) if fp8_queries else (lambda: iq)  # noqa: E731
+    index = lambda: m3sparse.index_topk_prefill(index_q(), ic, *meta, out=ids)  # noqa: E731
     attend = lambda: m3sparse.sparse_attn_prefill(q, kv, ids, *meta, out=out)  # noqa: E731
     index()
     attend()
@@ -272,10 +285,16 @@ def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1,
             fn = lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)  # noqa
             fn()
             t_dense = requests * _events_median(fn, max(3, reps // 2)) / 1e3
+    selection_differs = None
+    if ic_bf16 is not None:
+        index()
+        exact = m3sparse.index_topk_prefill(iq, ic_bf16, *meta)
+        selection_differs = 100 * (exact.sort(-1).values != ids.sort(-1).values).any(-1).float().mean().item()
     anchor = PREFILL_ANCHORS.get((tokens, prefix, heads, kv_heads)) if requests == 1 else None
     return dict(tokens=tokens, prefix=prefix, heads=heads, kv_heads=kv_heads, requests=requests, pattern=pattern,
-                index_dtype=str(index_dtype).replace("torch.", ""),
-                distinct_per_64=distinct_blocks_per_tile(ids.cpu(), cu), index_ms=t_index, attend_ms=t_attend,
+                index_dtype=str(index_dtype).replace("torch.", ""), fp8_queries=fp8_queries,
+                selection_differs_pct=selection_differs, distinct_per_64=distinct_blocks_per_tile(ids.cpu(), cu),
+                index_ms=t_index, attend_ms=t_attend,
                 index_then_attend_ms=t_pair,
                 index_tflops=index_flops / t_index / 1e9, attend_tflops=attend_flops / t_attend / 1e9,
                 dense_ms=t_dense, anchor_index_ms=anchor[0] if anchor else None,
@@ -304,8 +323,8 @@ def decode_table(rows) -> str:
 def prefill_table(rows) -> str:
     lines = ["| tokens | prefix | heads | pattern | distinct blocks / 64 queries | index ms (TFLOP/s) "
              "| attend ms (useful TFLOP/s) | total ms | anchor total ms | ratio to anchor | index then attend, one "
-             "timed sequence, ms | dense flash ms | dense / sparse (one sequence) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "timed sequence, ms | dense flash ms | dense / sparse (one sequence) | selection ≠ bf16 keys |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         total = r["index_ms"] + r["attend_ms"]
         anchor = (r["anchor_index_ms"] + r["anchor_attend_ms"]) if r["anchor_index_ms"] else None
@@ -315,7 +334,8 @@ def prefill_table(rows) -> str:
                      f"{r['index_ms']:.3f} ({r['index_tflops']:.0f}) | {r['attend_ms']:.3f} ({r['attend_tflops']:.0f}) | "
                      f"{total:.3f} | {_fmt(anchor, '.2f')} | {_fmt(total / anchor if anchor else None, '.2f')} | "
                      f"{r['index_then_attend_ms']:.3f} | {_fmt(r['dense_ms'], '.3f')} | "
-                     f"{_fmt(r['dense_ms'] / r['index_then_attend_ms'] if r['dense_ms'] else None, '.2f')} |")
+                     f"{_fmt(r['dense_ms'] / r['index_then_attend_ms'] if r['dense_ms'] else None, '.2f')} | "
+                     f"{_fmt(r.get('selection_differs_pct'), '.1f')} % |")
     return "\n".join(lines)
 
 
@@ -330,13 +350,19 @@ def main(argv=None) -> None:
     parser.add_argument("--json", help="write the raw rows here")
     parser.add_argument("--index-cache-dtype", choices=["bfloat16", "fp8_e4m3"], default="bfloat16",
                         help="dtype of the index-key cache")
+    parser.add_argument("--index-query-dtype", choices=["bfloat16", "fp8_e4m3"], default="bfloat16",
+                        help="fp8_e4m3: index queries quantised by quantize_index_q inside the timed index op, scored "
+                             "on the fp8 tensor cores (needs --index-cache-dtype fp8_e4m3)")
     args = parser.parse_args(argv)
+    fp8_queries = args.index_query_dtype == "fp8_e4m3"
+    if fp8_queries and args.index_cache_dtype != "fp8_e4m3":
+        parser.error("--index-query-dtype fp8_e4m3 needs --index-cache-dtype fp8_e4m3")
     if not torch.cuda.is_available():
         raise SystemExit("bench needs a CUDA GPU")
     props = torch.cuda.get_device_properties(0)
     import triton
     print(f"GPU {props.name}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"index cache {args.index_cache_dtype}")
+          f"index cache {args.index_cache_dtype}, index queries {args.index_query_dtype}")
     decode_cases = list(DECODE_ANCHORS)
     if args.grid == "full":
         shapes = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
@@ -352,13 +378,14 @@ def main(argv=None) -> None:
     index_dtype = torch.float8_e4m3fn if args.index_cache_dtype == "fp8_e4m3" else torch.bfloat16
     if args.what in ("decode", "all"):
         for case in decode_cases:
-            results["decode"].append(bench_decode(*case, index_dtype=index_dtype))
+            results["decode"].append(bench_decode(*case, index_dtype=index_dtype, fp8_queries=fp8_queries))
             torch.cuda.empty_cache()
         print(decode_table(results["decode"]), flush=True)
     if args.what in ("prefill", "all"):
         for case in prefill_cases:
             results["prefill"].append(bench_prefill(*case, reps=10 if case[0] >= 131072 else 30,
-                                                    dense=case[4] == PATTERNS[0], index_dtype=index_dtype))
+                                                    dense=case[4] == PATTERNS[0], index_dtype=index_dtype,
+                                                    fp8_queries=fp8_queries))
             torch.cuda.empty_cache()
         if results["prefill"]:
             print(prefill_table(results["prefill"]), flush=True)

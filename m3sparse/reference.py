@@ -91,6 +91,19 @@ def write_index_k(index_k: torch.Tensor, index_cache: torch.Tensor, slot_mapping
     _as_bytes(index_cache)[slots // bs, slots % bs] = _as_bytes(x)
 
 
+def quantize_index_q(index_q: torch.Tensor, out: torch.Tensor) -> None:
+    """out (float8_e4m3fn, index_q's shape) = each last-dim row of index_q times fp8_max / amax(|row|),
+    saturated: the row's largest magnitude lands on 448. Rows with amax <= 1e-30 (zeros) or a NaN keep a factor
+    of 1; an inf row becomes NaN and zeros (inf x 0)."""
+    x = index_q.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    fmax = _fp8_max(torch.float8_e4m3fn)
+    # A tensor division (correctly rounded), not ``fmax / amax``: torch computes a scalar over a tensor as a
+    # reciprocal times the scalar, one more rounding than the kernel's.
+    factor = torch.where(amax > 1e-30, torch.full_like(amax, fmax) / amax, 1.0)
+    out.copy_((x * factor).clamp(-fmax, fmax).to(torch.float8_e4m3fn))
+
+
 # ------------------------------------------------------------------------------------------------- selection
 def select_blocks(scores: torch.Tensor, own_block: torch.Tensor, topk: int, local_blocks: int,
                   init_blocks: int) -> torch.Tensor:

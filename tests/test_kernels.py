@@ -2,6 +2,8 @@
 (CI), and on a GPU at real shapes (marked gpu). Outputs are poisoned before every kernel call."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -245,6 +247,57 @@ def test_fp8_index_keys_score_any_queries(target, decode, queries):
     got = run(out=poisoned_ids(batch.kv_heads, batch.q.shape[0], 6, batch.q.device), **sel)
     assert_same_selection(batch, got.cpu(), run(impl=reference, **sel).cpu(), **sel,
                           tol=2e-2 if target == "cuda" else 1e-4)
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_fp8_index_queries_select_as_reference(target, decode):
+    """e4m3 index queries from ``quantize_index_q`` against e4m3 keys (fp8 tensor-core dots on the GPU, fp32 dots
+    under the interpreter) select as the reference on the same e4m3 values. The GPU case includes a 64-token chunk
+    on a 130k prefix, whose blocks are split over programs and merged."""
+    if target == "cuda":
+        reqs = [(70_000, 2), (2046, 2), (-2, 2)] if decode else [(9_000, 300), (0, 2100), (130_000, 64)]
+        spec = dict(heads=16, kv_heads=1, block_size=128)
+    else:
+        reqs = [(900, 2), (60, 2), (-2, 2)] if decode else [(90, 70), (0, 45)]
+        spec = dict(heads=6, kv_heads=3, block_size=16)
+    batch = make_batch(reqs, **spec, index_dtype=torch.float8_e4m3fn, q_dtype=act_dtype(target), seed=11,
+                       device=device_of(target), **({"decode_query_len": 2} if decode else {}))
+    batch = dataclasses.replace(batch, index_q=m3sparse.quantize_index_q(batch.index_q))
+    assert batch.index_q.dtype == torch.float8_e4m3fn
+    sel = dict(topk=16, local_blocks=1, init_blocks=1)
+    run = batch.index_decode if decode else batch.index_prefill
+    got = run(out=poisoned_ids(batch.kv_heads, batch.q.shape[0], 16, batch.q.device), **sel)
+    # Rounding in the sums grows with sum |q_i k_i| (queries at the 448 scale); the fp8 tensor cores keep about 14
+    # bits of a running sum.
+    key_max = max(k.abs().max().item() for k in batch.index_keys if k.numel())
+    bound = batch.index_q.float().abs().sum(-1).max().item() * key_max
+    assert_same_selection(batch, got.cpu(), run(impl=reference, **sel).cpu(), **sel,
+                          tol=bound * (2e-4 if target == "cuda" else 1e-6))
+
+
+@pytest.mark.gpu
+def test_quantize_index_q_kernel_matches_reference_bit_for_bit():
+    """The Triton quantiser against the torch formula: bf16, fp16 and fp32 queries, a strided view, magnitudes
+    from 1e-8 to 1e8, rows of zeros, of tiny values, with a NaN and with an inf. Outputs are poisoned with NaN."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(3000, 4, 128, device="cuda", generator=gen)
+    x = x * torch.logspace(-8, 8, 3000, device="cuda")[:, None, None]
+    x[5, 1] = 0.0
+    x[7, 2, 9] = float("nan")
+    x[9, 0, 3] = float("inf")
+    x[11, 3] = 1e-35
+    for src in (x.bfloat16(), x.half(), x, x.bfloat16()[:, 1:3]):
+        out = torch.full(src.shape, float("nan"), device="cuda").to(torch.float8_e4m3fn)
+        assert m3sparse.quantize_index_q(src, out=out) is out
+        ref = torch.empty(src.shape, dtype=torch.float8_e4m3fn)
+        reference.quantize_index_q(src.cpu(), ref)
+        got = out.cpu()
+        assert torch.equal(torch.isnan(got.float()), torch.isnan(ref.float()))
+        bad = (got.view(torch.uint8) != ref.view(torch.uint8)) & ~torch.isnan(ref.float())
+        at = [tuple(i) for i in bad.nonzero()[:3].tolist()]
+        assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} codes differ ({src.dtype}), e.g. x "
+                               f"{[src[i].item() for i in at]}: got {[got[i].float().item() for i in at]}, "
+                               f"want {[ref[i].float().item() for i in at]}")
 
 
 @pytest.mark.parametrize("ctx", [100, 111, 112])

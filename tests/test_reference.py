@@ -326,3 +326,24 @@ def test_reference_matches_naive_oracle(case):
     assert_selection(batch, ids, **sel)
     atol = 1e-3 if spec["kv_dtype"] in (torch.float8_e4m3fn, torch.float8_e5m2) else ATOL
     assert_attention(batch, ids, out, atol=atol)
+
+
+def test_quantize_index_q_scales_each_row_to_the_e4m3_range():
+    """Each (token, head) row lands its largest magnitude on 448 and keeps its direction to e4m3's precision
+    (relative step 2^-3, so within 2^-4 of the scaled value, or 2^-10 absolute among the subnormals); zero rows
+    stay zero and a NaN stays where it was."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 3, 128, generator=gen) * torch.logspace(-6, 6, 40)[:, None, None]
+    x[5, 1] = 0.0
+    x[7, 2, 9] = float("nan")
+    q8 = m3sparse.quantize_index_q(x.bfloat16())
+    assert q8.dtype == torch.float8_e4m3fn and q8.shape == x.shape
+    xb = x.bfloat16().double()
+    finite = torch.isfinite(xb).all(-1) & (xb.abs().amax(-1) > 0)
+    got = q8.double()
+    assert (got.abs().amax(-1)[finite] == 448).all()
+    scaled = xb * (448 / xb.abs().amax(-1, keepdim=True))
+    err = (got - scaled).abs()[finite]
+    assert (err <= torch.maximum(scaled.abs()[finite] / 16, torch.full_like(err, 2.0 ** -10))).all()
+    assert (got[5, 1] == 0).all()
+    assert torch.isnan(got[7, 2, 9]) and not torch.isnan(got[7, 2, :9]).any()

@@ -77,6 +77,27 @@ def test_index_topk_decode_rejects():
             m3sparse.index_topk_decode(**{**base, **over}, topk=2)
 
 
+def test_fp8_index_queries_need_an_e4m3_index_cache(batch):
+    """e4m3 index queries are scored against e4m3 keys only; e5m2 queries never."""
+    q8 = m3sparse.quantize_index_q(batch.index_q)
+    with pytest.raises(ValueError, match="index_q may be float8_e4m3fn only"):
+        m3sparse.index_topk_prefill(**prefill_args(batch, index_q=q8), topk=3)
+    with pytest.raises(ValueError, match="index_q"):
+        m3sparse.index_topk_prefill(**prefill_args(batch, index_q=batch.index_q.to(torch.float8_e5m2)), topk=3)
+
+
+@pytest.mark.parametrize("args, exc, word", [
+    ((torch.randn(4, 2, 64),), ValueError, "index_q"),
+    ((torch.randn(4, 2, 128).to(torch.float8_e4m3fn),), ValueError, "index_q"),
+    (([1.0],), TypeError, "index_q"),
+    ((torch.randn(4, 2, 128), torch.empty(4, 2, 128)), ValueError, "out"),
+    ((torch.randn(4, 2, 128), torch.empty(4, 1, 128, dtype=torch.float8_e4m3fn)), ValueError, "out"),
+])
+def test_quantize_index_q_rejects(args, exc, word):
+    with pytest.raises(exc, match=word):
+        m3sparse.quantize_index_q(*args)
+
+
 @pytest.mark.parametrize("over, exc, word", [
     (dict(q=torch.randn(8, 3, 128)), ValueError, "q has 3 heads"),
     (dict(q=torch.randn(8, 4, 128).to(torch.float8_e4m3fn)), ValueError, "q"),

@@ -9,7 +9,7 @@ Prefill: ``_score_topk_kernel`` keeps a running top-k of packed keys per (row, h
 walks the blocks, so no score matrix is written; when a tile's blocks are split across programs (few tiles,
 long prefix) each split writes its top-k candidates and ``_merge_topk_kernel`` picks from them.
 Both families tile the M dimension with (row, index head) pairs: the one index-key head is read once for all
-index heads.
+index heads. e4m3 queries against e4m3 keys take fp8 dots in both.
 """
 from __future__ import annotations
 
@@ -35,6 +35,9 @@ PREFILL_STAGES = 5
 # stages (8 warps or 5 stages were slower). H200, graph replays (perf-notes v10): 8k on 120k 0.586 -> 0.549 ms, 32k
 # 0.312 -> 0.280, 128k 4.12 -> 3.85; with <= 32 blocks per program (8k, 16k, 2k on 30k) 64 rows stay faster.
 PREFILL_LONG_BLOCK_M, PREFILL_LONG_STAGES, PREFILL_LONG_MIN_BLOCKS = 128, 3, 64
+# e4m3 queries and keys (fp8 dots) take half the shared memory per key block: 5 stages still fit two programs per
+# SM. H200, graph replays, 3 -> 5 stages: 128k 2.73 -> 2.54 ms, 32k 0.239 -> 0.220, 8k on 120k 0.461 -> 0.420.
+PREFILL_LONG_STAGES_FP8 = 5
 # Decode selection: 4 warps per row up to this many (padded) blocks, 8 above (H200, 16-layer graphs, index us, 4 / 8
 # warps: 1 x 32k 7.0 / 7.2, 32 x 32k 65.3 / 65.5, 1 x 128k 15.1 / 14.3, 8 x 128k 68.1 / 67.5). Past
 # SELECT_ONE_PASS_MAX_BLOCKS it first picks groups of blocks by their maxima (index us, one pass / groups of
@@ -268,9 +271,10 @@ def _merge_topk_kernel(cand_ptr, c_sh, c_st, out_ptr, o_sh, o_st, o_sk, cu_ptr, 
 
 
 def _fp8_keys(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """e4m3 index keys scored on 16-bit tensor cores: decode tries fp16 queries first (32 x 128k: 214 -> 140 us);
-    prefill, compute-bound, stays on bf16 conversions (128k: 8.6 ms against 9.4 ms through fp16, H200)."""
-    return cache_dtype == torch.float8_e4m3fn and not dot_in_fp32(q_dtype, cache_dtype)
+    """e4m3 index keys against 16-bit queries, scored on 16-bit tensor cores: decode tries fp16 queries first (32 x
+    128k: 214 -> 140 us); prefill, compute-bound, stays on bf16 conversions (128k: 8.6 ms against 9.4 ms through
+    fp16, H200). e4m3 queries (``quantize_index_q``) need no conversion: their dots run on the fp8 tensor cores."""
+    return cache_dtype == torch.float8_e4m3fn and q_dtype != cache_dtype and not dot_in_fp32(q_dtype, cache_dtype)
 
 
 def _prefill_tiling(max_query_len: int, batch: int, width: int, hkv_pad: int, block_m: int | None,
@@ -298,6 +302,8 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
     hkv_pad = next_pow2(kv_heads)
     block_m, tiles, splits = _prefill_tiling(max_query_len, batch, width, hkv_pad, block_m, splits)
     long_tiles = block_m >= PREFILL_LONG_BLOCK_M
+    dot_f32 = dot_in_fp32(index_q.dtype, index_cache.dtype)
+    fp8_dots = index_q.dtype == torch.float8_e4m3fn and not dot_f32
     topk_pad = next_pow2(topk)
     nb_pad = max(16, next_pow2(width))
     cand = torch.empty((kv_heads, num_tokens, splits, topk_pad), dtype=torch.int64, device=index_q.device) \
@@ -306,10 +312,10 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
         index_q, index_q.stride(0), index_q.stride(1), index_cache, index_cache.stride(0), index_cache.stride(1),
         block_table, block_table.stride(0), width, num_pages, cand, num_tokens, out, out.stride(0), out.stride(1),
         out.stride(2), cu_seqlens_q, context_lens, tiles, splits, kv_heads, local_blocks, init_blocks, batch,
-        BLOCK_M=block_m, HKV_PAD=hkv_pad, BS=bs, D=dim, DOT_F32=dot_in_fp32(index_q.dtype, index_cache.dtype),
-        TOPK=topk, TOPK_PAD=topk_pad, NB_PAD=nb_pad, WRITE_IDS=splits == 1,
+        BLOCK_M=block_m, HKV_PAD=hkv_pad, BS=bs, D=dim, DOT_F32=dot_f32, TOPK=topk, TOPK_PAD=topk_pad,
+        NB_PAD=nb_pad, WRITE_IDS=splits == 1,
         num_warps=4 if block_m <= PREFILL_LONG_BLOCK_M else 8,
-        num_stages=PREFILL_LONG_STAGES if long_tiles else PREFILL_STAGES)
+        num_stages=(PREFILL_LONG_STAGES_FP8 if fp8_dots else PREFILL_LONG_STAGES) if long_tiles else PREFILL_STAGES)
     if splits > 1:
         merge_rows = max(1, min(64, 2048 // (splits * topk_pad)))
         launch(_merge_topk_kernel, (cdiv(max_query_len, merge_rows), batch, kv_heads),
