@@ -39,7 +39,7 @@ def launch(kernel: triton.JITFunction, grid: tuple[int, ...], *args, **meta) -> 
     if interpreting() or _launch_hooked():
         kernel[grid](*args, **meta)
         return
-    device = torch.cuda.current_device()
+    device = torch._C._cuda_getDevice()  # torch.cuda.current_device() less its lazy-init check (CUDA tensors: done)
     held = _compiled.get(id(kernel))
     if held is None:
         held = _compiled[id(kernel)] = (kernel, {})

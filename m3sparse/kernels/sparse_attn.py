@@ -241,7 +241,8 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
                decode=None, splits=1):
     """The tile kernel over tiles whose block union <= max_union. Prefill: ``prefill`` = (cu_seqlens_q,
     context_lens); decode: ``decode`` = (seq_lens, decode_query_len), one tile of tq >= decode_query_len rows
-    per request, its union split over ``splits`` programs. Returns the union sizes [tiles, Hkv]."""
+    per request, its union split over ``splits`` programs. Returns the union sizes (int64, tile-major
+    [tiles * Hkv])."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     batch = block_table.shape[0]
@@ -250,8 +251,11 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     group = num_heads // kv_heads
     cu, ctx = prefill if prefill is not None else (decode[0], decode[0])
     seq_lens, dql = decode if decode is not None else (cu, 0)
-    union = torch.empty((tiles, kv_heads, splits, 3, tq * topk_pad), dtype=torch.int64, device=q.device)
-    counts = torch.empty((tiles, kv_heads), dtype=torch.int32, device=q.device)
+    # One allocation for the union scratch [tiles, Hkv, splits, 3, tq * k_pad] and the union sizes [tiles, Hkv]
+    # behind it: each allocation is host time before the first kernel of an eager prefill.
+    union_size = tiles * kv_heads * splits * 3 * tq * topk_pad
+    union = torch.empty(union_size + tiles * kv_heads, dtype=torch.int64, device=q.device)
+    counts = union[union_size:]
     m, l, acc = _split_partials(out, splits)
     launch(_sparse_attn_tiles_kernel, (tiles, kv_heads, splits),
         q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),

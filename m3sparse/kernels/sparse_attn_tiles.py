@@ -173,7 +173,7 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
                               TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
                               DOT_F32: tl.constexpr, IS_DECODE: tl.constexpr, WRITE_OUT: tl.constexpr):
     """One program per (query tile, KV head, split): write the tile's block union (union_ptr: per-program
-    scratch [tiles, Hkv, SPLITS, 3, N]) and its size (count_ptr [tiles, Hkv]: the per-row kernel computes the
+    scratch [tiles, Hkv, SPLITS, 3, N]) and its size (count_ptr [tiles, Hkv], int64: the per-row kernel computes the
     prefill tiles over MAX_UNION), then attend over the split's share of the union if it has at most MAX_UNION
     blocks. Decode: tile b is request b's DQL rows (positions seq_lens[b] - DQL ...); with SPLITS > 1 the
     partials go to m/l/acc_ptr [T, SPLITS, H(, D)]."""
