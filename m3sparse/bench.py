@@ -305,6 +305,10 @@ def _fmt(x, spec=".1f"):
     return "—" if x is None else format(x, spec)
 
 
+def _pct(x):
+    return "—" if x is None else f"{x:.1f} %"
+
+
 def decode_table(rows) -> str:
     lines = ["| requests | context | q tokens | heads | index µs | attend µs | total µs | % of HBM floor (total) "
              "| anchor total µs | ratio to anchor | total µs, one op per graph | attend µs, rows share 12/16 "
@@ -316,7 +320,7 @@ def decode_table(rows) -> str:
         lines.append(f"| {r['requests']} | {r['context'] // 1024}k | {r['dql']} | {r['heads']}/{r['kv_heads']} | "
                      f"{r['index_us']:.1f} | {r['attend_us']:.1f} | {r['total_us']:.1f} | {100 * floor / r['total_us']:.0f} % | "
                      f"{_fmt(r['anchor_total_us'])} | {_fmt(ratio, '.2f')} | {r['total_single_graph_us']:.1f} | "
-                     f"{_fmt(r['attend_shared_us'])} | {_fmt(r['fp8_selection_differs_pct'], '.2f')} % |")
+                     f"{_fmt(r['attend_shared_us'])} | {_pct(r['fp8_selection_differs_pct'])} |")
     return "\n".join(lines)
 
 
@@ -335,7 +339,7 @@ def prefill_table(rows) -> str:
                      f"{total:.3f} | {_fmt(anchor, '.2f')} | {_fmt(total / anchor if anchor else None, '.2f')} | "
                      f"{r['index_then_attend_ms']:.3f} | {_fmt(r['dense_ms'], '.3f')} | "
                      f"{_fmt(r['dense_ms'] / r['index_then_attend_ms'] if r['dense_ms'] else None, '.2f')} | "
-                     f"{_fmt(r.get('selection_differs_pct'), '.1f')} % |")
+                     f"{_pct(r.get('selection_differs_pct'))} |")
     return "\n".join(lines)
 
 
