@@ -267,8 +267,8 @@ def test_fp8_index_queries_select_as_reference(target, decode):
     sel = dict(topk=16, local_blocks=1, init_blocks=1)
     run = batch.index_decode if decode else batch.index_prefill
     got = run(out=poisoned_ids(batch.kv_heads, batch.q.shape[0], 16, batch.q.device), **sel)
-    # Rounding in the sums grows with sum |q_i k_i| (queries at the 448 scale); the fp8 tensor cores keep about 14
-    # bits of a running sum.
+    # Rounding in the sums grows with sum |q_i k_i| (queries at the 448 scale); fp8 tensor-core sums keep fewer
+    # bits than fp32 ones (about 14, per DeepSeek-V3's report).
     key_max = max(k.abs().max().item() for k in batch.index_keys if k.numel())
     bound = batch.index_q.float().abs().sum(-1).max().item() * key_max
     assert_same_selection(batch, got.cpu(), run(impl=reference, **sel).cpu(), **sel,
