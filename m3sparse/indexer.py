@@ -24,7 +24,8 @@ def quantize_index_q(index_q: torch.Tensor, out: torch.Tensor | None = None) -> 
     A positive factor per row leaves the ranking of that row's blocks unchanged, so no scale is kept: the
     selection is that of the row's direction rounded to e4m3 (3 mantissa bits) against e4m3 index keys. Pass
     the result to ``index_topk_prefill`` / ``index_topk_decode`` with a float8_e4m3fn index cache: the prefill
-    scorer then runs its dots on the fp8 tensor cores (H200, 128k tokens: 3.8 -> 2.5 ms of index kernels).
+    scorer then runs its dots on the fp8 tensor cores (H200, 128k tokens: 3.8 -> 2.5 ms of index kernels); the
+    decode scorer, bound by its key reads, gains nothing.
     Rows of zeros stay zeros; a row holding NaN keeps it (its blocks rank lowest). Fills ``out`` if given.
     CUDA-graph safe.
     """
