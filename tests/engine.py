@@ -30,8 +30,11 @@ class Req:
 class ToyEngine:
     def __init__(self, cfg: m3sparse.SparseConfig, num_spec: int, kv_dtype: str, layout: str, seed: int,
                  device: str = "cpu", num_pages: int = 400, impl_cls=MiniMaxM3SparseTritonImpl,
-                 pad_decodes_to: int = 4, max_tokens: int = 96, scale_kind: str = "per_slot"):
+                 pad_decodes_to: int = 4, max_tokens: int = 96, scale_kind: str = "per_slot",
+                 fp8_index: bool = False):
+        """``fp8_index``: e4m3 index caches, and index queries passed through ``quantize_index_q``."""
         self.cfg, self.num_spec, self.device = cfg, num_spec, torch.device(device)
+        self.fp8_index = fp8_index
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.bs = cfg.block_size
@@ -53,8 +56,8 @@ class ToyEngine:
             kv = m3sparse.new_kv_cache(num_pages, cfg.num_kv_heads, kv_dtype, layout=layout, device=device,
                                        block_size=self.bs)
             kv.view(torch.uint8).fill_(0xFF)  # NaN garbage in every slot never written
-            ic = m3sparse.new_index_cache(num_pages, "bfloat16" if device != "cpu" else "float16", device=device,
-                                          block_size=self.bs)
+            index_dtype = torch.float8_e4m3fn if fp8_index else torch.bfloat16 if device != "cpu" else torch.float16
+            ic = m3sparse.new_index_cache(num_pages, index_dtype, device=device, block_size=self.bs)
             ic.view(torch.uint8).fill_(0xFF)
             layer.bind_caches(kv, ic)
             self.layers.append(layer)
@@ -136,6 +139,8 @@ class ToyEngine:
             k = torch.randn(T, cfg.num_kv_heads, D, generator=self.gen).to(self.act)
             v = torch.randn(T, cfg.num_kv_heads, D, generator=self.gen).to(self.act)
             iq = torch.randn(T, cfg.num_kv_heads, D, generator=self.gen).to(self.act)
+            if self.fp8_index:
+                iq = m3sparse.quantize_index_q(iq.to(self.device)).cpu()
             ik = (torch.randn(T, D, generator=self.gen) + 0.5 * li).to(self.act)
             for r, start, n in rows:
                 if r is None:

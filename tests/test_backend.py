@@ -170,16 +170,20 @@ def test_builder_rejects_bad_tables_and_slots():
 
 
 # ---------------------------------------------------------------------------------------------- engine loop
-@pytest.mark.parametrize("num_spec, kv_dtype, layout, impl, device", [
-    (0, "float16", "HND", MiniMaxM3SparseTritonImpl, "cpu"),
-    (3, "fp8_e4m3", "NHD", MiniMaxM3SparseTritonImpl, "cpu"),
-    (1, "fp8_e5m2", "HND", MiniMaxM3SparseReferenceImpl, "cpu"),
-    pytest.param(3, "bfloat16", "NHD", MiniMaxM3SparseTritonImpl, "cuda", marks=pytest.mark.gpu),
-    pytest.param(0, "fp8_e4m3", "HND", MiniMaxM3SparseTritonImpl, "cuda", marks=pytest.mark.gpu),
+@pytest.mark.parametrize("num_spec, kv_dtype, layout, impl, device, fp8_index", [
+    (0, "float16", "HND", MiniMaxM3SparseTritonImpl, "cpu", False),
+    (3, "fp8_e4m3", "NHD", MiniMaxM3SparseTritonImpl, "cpu", False),
+    (1, "fp8_e5m2", "HND", MiniMaxM3SparseReferenceImpl, "cpu", False),
+    (2, "float16", "NHD", MiniMaxM3SparseTritonImpl, "cpu", True),
+    pytest.param(3, "bfloat16", "NHD", MiniMaxM3SparseTritonImpl, "cuda", False, marks=pytest.mark.gpu),
+    pytest.param(0, "fp8_e4m3", "HND", MiniMaxM3SparseTritonImpl, "cuda", False, marks=pytest.mark.gpu),
+    pytest.param(2, "bfloat16", "HND", MiniMaxM3SparseTritonImpl, "cuda", True, marks=pytest.mark.gpu),
 ])
-def test_engine_loop_matches_from_scratch_reference(num_spec, kv_dtype, layout, impl, device):
+def test_engine_loop_matches_from_scratch_reference(num_spec, kv_dtype, layout, impl, device, fp8_index):
+    """``fp8_index``: e4m3 index caches scored against ``quantize_index_q``'s e4m3 queries (fp8 dots on a GPU)."""
     cfg = m3sparse.SparseConfig(num_heads=4, num_kv_heads=2, block_size=16, topk=4)
-    eng = ToyEngine(cfg, num_spec, kv_dtype, layout, seed=num_spec, impl_cls=impl, device=device)
+    eng = ToyEngine(cfg, num_spec, kv_dtype, layout, seed=num_spec, impl_cls=impl, device=device,
+                    fp8_index=fp8_index)
     # CPU runs the fp32 reference path: equal to rounding. GPU: bf16 activations through the kernels.
     tol = 1e-4 if device == "cpu" else 2e-2
     differing_id_rows = total_id_rows = 0
