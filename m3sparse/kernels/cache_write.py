@@ -66,8 +66,8 @@ def write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale):
     k_mode, ks, ks_sh, ks_val = scale_args(k_scale if fp8 else None, key)
     v_mode, vs, vs_sh, vs_val = scale_args(v_scale if fp8 else None, key)
     launch(_write_kv_kernel, (num_tokens, kv_heads),
-        key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
-        kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), num_pages * bs,
+        key, *key.stride()[:2], value, *value.stride()[:2], slot_mapping,
+        kv_cache, *kv_cache.stride()[:3], num_pages * bs,
         ks, ks_val, ks_sh, vs, vs_val, vs_sh, BS=bs, D=next_pow2(dim), FP8=fp8,
         FP8_MAX=float(torch.finfo(kv_cache.dtype).max) if fp8 else 1.0, K_MODE=k_mode, V_MODE=v_mode,
         num_warps=1)
@@ -80,6 +80,6 @@ def write_index_k(index_k, index_cache, slot_mapping):
         return
     fp8 = index_cache.dtype in FP8_DTYPES
     launch(_write_index_k_kernel, (num_tokens,),
-        index_k, index_k.stride(0), slot_mapping, index_cache, index_cache.stride(0), index_cache.stride(1),
+        index_k, index_k.stride(0), slot_mapping, index_cache, *index_cache.stride()[:2],
         num_pages * bs, BS=bs, D=dim, FP8=fp8, FP8_MAX=float(torch.finfo(index_cache.dtype).max) if fp8 else 1.0,
         num_warps=1)

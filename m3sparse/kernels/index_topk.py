@@ -309,9 +309,9 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
     cand = torch.empty((kv_heads, num_tokens, splits, topk_pad), dtype=torch.int64, device=index_q.device) \
         if splits > 1 else out
     launch(_score_topk_kernel, (tiles, batch + 1, splits),
-        index_q, index_q.stride(0), index_q.stride(1), index_cache, index_cache.stride(0), index_cache.stride(1),
-        block_table, block_table.stride(0), width, num_pages, cand, num_tokens, out, out.stride(0), out.stride(1),
-        out.stride(2), cu_seqlens_q, context_lens, tiles, splits, kv_heads, local_blocks, init_blocks, batch,
+        index_q, *index_q.stride()[:2], index_cache, *index_cache.stride()[:2], block_table, block_table.stride(0),
+        width, num_pages, cand, num_tokens, out, *out.stride(), cu_seqlens_q, context_lens, tiles, splits, kv_heads,
+        local_blocks, init_blocks, batch,
         BLOCK_M=block_m, HKV_PAD=hkv_pad, BS=bs, D=dim, DOT_F32=dot_f32, TOPK=topk, TOPK_PAD=topk_pad,
         NB_PAD=nb_pad, WRITE_IDS=splits == 1,
         num_warps=4 if block_m <= PREFILL_LONG_BLOCK_M else 8,
@@ -319,7 +319,7 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
     if splits > 1:
         merge_rows = max(1, min(64, 2048 // (splits * topk_pad)))
         launch(_merge_topk_kernel, (cdiv(max_query_len, merge_rows), batch, kv_heads),
-               cand, cand.stride(0), cand.stride(1), out, out.stride(0), out.stride(1), out.stride(2), cu_seqlens_q,
+               cand, *cand.stride()[:2], out, *out.stride(), cu_seqlens_q,
                ROWS=merge_rows, SPLITS=splits, TOPK=topk, TOPK_PAD=topk_pad, K_PAD=ids_pad(topk), NB_PAD=nb_pad,
                num_warps=4)
     return out
@@ -351,16 +351,16 @@ def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_
         per_split = blocks_per_split or (1 if batch < 16 else 8)
         splits = max(1, min(cdiv(width, per_split), cdiv(_DECODE_MAX_PROGRAMS, batch)))
         launch(_block_scores_kernel, (cdiv(decode_query_len, rows_per_tile), batch, splits),
-            index_q, index_q.stride(0), index_q.stride(1), index_cache, index_cache.stride(0),
-            index_cache.stride(1), block_table, block_table.stride(0), width, num_pages,
-            scores, scores.stride(0), scores.stride(1), seq_lens, decode_query_len, splits, kv_heads,
+            index_q, *index_q.stride()[:2], index_cache, *index_cache.stride()[:2], block_table,
+            block_table.stride(0), width, num_pages, scores, *scores.stride()[:2], seq_lens, decode_query_len, splits,
+            kv_heads,
             BLOCK_M=block_m, HKV_PAD=hkv_pad, BS=bs, D=dim, DOT_F32=dot_in_fp32(index_q.dtype, index_cache.dtype),
             K_FP8=_fp8_keys(index_q.dtype, index_cache.dtype), PDL=pdl, num_warps=4, num_stages=DECODE_SCORE_STAGES,
             launch_pdl=pdl)
     k_pad = ids_pad(topk)
     nb_pad = max(16, next_pow2(width), k_pad)  # tl.topk picks k_pad of at least as many
     launch(_select_topk_kernel, (num_tokens, kv_heads),
-        scores, scores.stride(0), scores.stride(1), out, out.stride(0), out.stride(1), out.stride(2),
+        scores, *scores.stride()[:2], out, *out.stride(),
         seq_lens, width, decode_query_len, local_blocks, init_blocks, BS=bs, TOPK=topk, K_PAD=k_pad, NB_PAD=nb_pad,
         GROUP=max(1, nb_pad // max(SELECT_ONE_PASS_MAX_BLOCKS, k_pad)), PDL=pdl,
         num_warps=4 if nb_pad <= SELECT_FOUR_WARPS_MAX_BLOCKS else 8, launch_pdl=pdl)

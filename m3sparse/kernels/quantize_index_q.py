@@ -40,5 +40,5 @@ def quantize_index_q(index_q: torch.Tensor, out: torch.Tensor) -> None:
     if num_tokens == 0:
         return
     launch(_quantize_index_q_kernel, (cdiv(num_tokens * heads, _ROWS),),
-           index_q, index_q.stride(0), index_q.stride(1), out, out.stride(0), out.stride(1), num_tokens * heads,
+           index_q, *index_q.stride()[:2], out, *out.stride()[:2], num_tokens * heads,
            heads, ROWS=_ROWS, D=dim, FP8_MAX=float(torch.finfo(torch.float8_e4m3fn).max), num_warps=4)
