@@ -44,10 +44,17 @@ def _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_row_ptr, width,
     ids = tl.where(ok, ids, -1)
     same = (ids[None, :] == ids[:, None]) & ok[None, :]
     earlier = same & (e[None, :] < e[:, None])
-    dup = tl.max(earlier.to(tl.int32), axis=1) > 0
+    # 2: an earlier lane of the same row holds the id, 1: only of another row (one reduction for both tests).
+    seen_before = tl.max(tl.where(earlier, 1 + (r[None, :] == r[:, None]).to(tl.int32), 0), axis=1)
+    dup = seen_before > 0
     # Which tile rows chose each id: a sum of distinct powers of two over each row's first occurrence.
-    dup_in_row = tl.max((earlier & (r[None, :] == r[:, None])).to(tl.int32), axis=1) > 0
-    bit = tl.where(dup_in_row, 0, tl.full([N], 1, tl.int64) << r.to(tl.int64))
+    dup_in_row = seen_before == 2
+    # In int32 when the tile's rows fit: the [N, N] sum is the prologue's largest reduction.
+    if TQ < 32:
+        one = tl.full([N], 1, tl.int32)
+    else:
+        one = tl.full([N], 1, tl.int64)
+    bit = tl.where(dup_in_row, 0, one << r.to(one.dtype))
     rows = tl.sum(tl.where(same, bit[None, :], 0), axis=1)
     keep = ok & ~dup
     page = tl.load(bt_row_ptr + ids, mask=keep, other=-1)
@@ -55,7 +62,7 @@ def _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_row_ptr, width,
     full = keep & (page >= 0) & (ids * BS + BS - 1 <= first)
     # Of those, the ones every row of the tile chose come first: their scores need no mask (rows past nrows are
     # never stored). `every` is 2^n - 1 for the tile's n rows, built without a shift by 64.
-    every = (((tl.full([N], 1, tl.int64) << (tl.maximum(tl.minimum(nrows, TQ), 1) - 1).to(tl.int64)) - 1) << 1) | 1
+    every = (((one << (tl.maximum(tl.minimum(nrows, TQ), 1) - 1).to(one.dtype)) - 1) << 1) | 1
     everyone = full & (rows == every)
     some = full & ~everyone
     n_all = tl.sum(everyone.to(tl.int32), axis=0)
@@ -65,7 +72,7 @@ def _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_row_ptr, width,
                              n_full + tl.cumsum((keep & ~full).to(tl.int32), axis=0))) - 1
     tl.store(entries + slot, ids.to(tl.int64), mask=keep)
     tl.store(entries + N + slot, page.to(tl.int64), mask=keep)
-    tl.store(entries + 2 * N + slot, rows, mask=keep)
+    tl.store(entries + 2 * N + slot, rows.to(tl.int64), mask=keep)
     return tl.sum(keep.to(tl.int32), axis=0), n_all, n_full
 
 
@@ -171,12 +178,14 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
                               l_ptr, acc_ptr, SPLITS, G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr,
                               BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
                               TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
-                              DOT_F32: tl.constexpr, IS_DECODE: tl.constexpr, WRITE_OUT: tl.constexpr):
+                              DOT_F32: tl.constexpr, IS_DECODE: tl.constexpr, WRITE_OUT: tl.constexpr,
+                              BUILD_UNION: tl.constexpr, ATTEND: tl.constexpr):
     """One program per (query tile, KV head, split): write the tile's block union (union_ptr: per-program
-    scratch [tiles, Hkv, SPLITS, 3, N]) and its size (count_ptr [tiles, Hkv], int64: the per-row kernel computes the
-    prefill tiles over MAX_UNION), then attend over the split's share of the union if it has at most MAX_UNION
-    blocks. Decode: tile b is request b's DQL rows (positions seq_lens[b] - DQL ...); with SPLITS > 1 the
-    partials go to m/l/acc_ptr [T, SPLITS, H(, D)]."""
+    scratch [tiles, Hkv, SPLITS, 3, N]) and its (size, n_all, n_full) (count_ptr [3, tiles, Hkv], int64: the
+    per-row kernel computes the prefill tiles whose size is over MAX_UNION), then attend over the split's share of
+    the union if it has at most MAX_UNION blocks. BUILD_UNION alone: only the union (split 0's scratch); ATTEND
+    alone: only the attention, over the union an earlier BUILD_UNION launch wrote. Decode: tile b is request b's
+    DQL rows (positions seq_lens[b] - DQL ...); with SPLITS > 1 the partials go to m/l/acc_ptr [T, SPLITS, H(, D)]."""
     N: tl.constexpr = TQ * TOPK_PAD
     i = tl.program_id(0)
     g = tl.program_id(1)
@@ -197,16 +206,27 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
             nrows = req_rows - before
             first = req_first + before
         tile_id = i * HKV + g
-        entries = union_ptr + (tile_id * SPLITS + split) * 3 * N
-        count, n_all, n_full = _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_ptr + b * bt_sb, width,
-                                                  num_pages, g, row0, nrows, first, TQ, TOPK, TOPK_PAD, BS)
-        if split == 0:
-            tl.store(count_ptr + tile_id, count)
-        tl.debug_barrier()  # every thread's entries are visible to the whole program before they are read back
-        if count <= MAX_UNION:
-            per_split = tl.cdiv(count, SPLITS)
-            lo = tl.minimum(split * per_split, count)
-            _attend_union(entries, lo, tl.minimum(count, lo + per_split), n_all, n_full, q_ptr, q_st, q_sh, kv_ptr,
-                          kv_sp, kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st, o_sh, m_ptr,
-                          l_ptr, acc_ptr, split, SPLITS, G * HKV, g, row0, nrows, first, G, GP, TQ, BS, BLOCK_N, D,
-                          N, K_SCALE, V_SCALE, DOT_F32, WRITE_OUT)
+        num_tiles = tl.num_programs(0) * HKV
+        if BUILD_UNION:
+            # Built with the attention, each split writes its own copy: no program waits for another's.
+            entries = union_ptr + (tile_id * SPLITS + (split if ATTEND else 0)) * 3 * N
+            count, n_all, n_full = _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_ptr + b * bt_sb,
+                                                      width, num_pages, g, row0, nrows, first, TQ, TOPK, TOPK_PAD, BS)
+            if split == 0:
+                tl.store(count_ptr + tile_id, count)
+                tl.store(count_ptr + num_tiles + tile_id, n_all)
+                tl.store(count_ptr + 2 * num_tiles + tile_id, n_full)
+            tl.debug_barrier()  # every thread's entries are visible to the whole program before they are read back
+        else:
+            entries = union_ptr + tile_id * SPLITS * 3 * N
+            count = tl.load(count_ptr + tile_id).to(tl.int32)
+            n_all = tl.load(count_ptr + num_tiles + tile_id).to(tl.int32)
+            n_full = tl.load(count_ptr + 2 * num_tiles + tile_id).to(tl.int32)
+        if ATTEND:
+            if count <= MAX_UNION:
+                per_split = tl.cdiv(count, SPLITS)
+                lo = tl.minimum(split * per_split, count)
+                _attend_union(entries, lo, tl.minimum(count, lo + per_split), n_all, n_full, q_ptr, q_st, q_sh,
+                              kv_ptr, kv_sp, kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st,
+                              o_sh, m_ptr, l_ptr, acc_ptr, split, SPLITS, G * HKV, g, row0, nrows, first, G, GP, TQ,
+                              BS, BLOCK_N, D, N, K_SCALE, V_SCALE, DOT_F32, WRITE_OUT)
