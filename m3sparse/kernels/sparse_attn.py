@@ -36,8 +36,8 @@ def _slot_page(ids, valid, kk, i, bt_row_ptr):
 def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr, id_sh, id_st, id_sk,
                         bt_ptr, bt_sb, width, num_pages, seq_ptr, DQL, cu_ptr, ctx_ptr, BATCH,
                         ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor,
-                        o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, SPLITS, count_ptr, MAX_UNION,
-                        IS_DECODE: tl.constexpr, SKIP_TILED: tl.constexpr, TQ: tl.constexpr, G: tl.constexpr,
+                        o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, SPLITS, tiled_ptr,
+                        IS_DECODE: tl.constexpr, SKIP_TILED: tl.constexpr, G: tl.constexpr,
                         BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
                         TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
                         WRITE_OUT: tl.constexpr, PDL: tl.constexpr, PAGE_AHEAD: tl.constexpr,
@@ -47,20 +47,21 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
     g = tl.program_id(1)
     split = tl.program_id(2)
     skip = False
-    if IS_DECODE:
-        b = t // DQL
-        p = tl.load(seq_ptr + b) - DQL + t % DQL
-    else:
-        b, first_tile = locate_prefill(t, cu_ptr, BATCH, TQ, False)
-        inb = b < BATCH  # rows past cu_seqlens_q[-1] are padding
-        b = tl.minimum(b, tl.maximum(BATCH - 1, 0))
-        row0 = tl.load(cu_ptr + b)  # BATCH + 1 entries: in bounds even for an empty batch
-        p = tl.where(inb, tl.load(ctx_ptr + b, mask=inb, other=0) + t - row0, -1)
-        if SKIP_TILED:
-            # Rows of a tile whose block union is small are computed by the tile kernel.
-            tile_id = (first_tile + (t - row0) // TQ) * tl.num_programs(1) + g
-            skip = tl.load(count_ptr + tile_id, mask=inb, other=MAX_UNION + 1) <= MAX_UNION
+    if SKIP_TILED:
+        # Rows the tile kernel computes (tiles whose block union is small), as its union launch marked them: one
+        # load round trip before a skipped program exits (its request and tile would take three). Rows past
+        # cu_seqlens_q[-1] are padding, never marked; their mark is read but not trusted.
+        skip = (t < tl.load(cu_ptr + BATCH)) & (tl.load(tiled_ptr + t * tl.num_programs(1) + g) != 0)
     if not skip:
+        if IS_DECODE:
+            b = t // DQL
+            p = tl.load(seq_ptr + b) - DQL + t % DQL
+        else:
+            b, _ = locate_prefill(t, cu_ptr, BATCH, 1, False)
+            inb = b < BATCH  # rows past cu_seqlens_q[-1] are padding
+            b = tl.minimum(b, tl.maximum(BATCH - 1, 0))
+            row0 = tl.load(cu_ptr + b)  # BATCH + 1 entries: in bounds even for an empty batch
+            p = tl.where(inb, tl.load(ctx_ptr + b, mask=inb, other=0) + t - row0, -1)
         c = tl.where(p >= 0, p // BS, -1)
 
         # The row's ids: keep each in-range id once (the first occurrence); never dereference the rest.
@@ -189,8 +190,8 @@ def _row_pipeline(decode: bool, splits: int, dot_f32: bool, block_h: int, bs: in
 def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, dot_f32,
               prefill=None, tiled=None, pdl=False):
     """The per-row kernel. Decode: rows of decode_query_len per request of seq_lens. Prefill: ``prefill`` =
-    (cu_seqlens_q, context_lens); ``tiled`` = (counts, rows per tile, max union) skips the rows of tiles that
-    the tile kernel computed. ``dot_f32``: ``dot_in_fp32`` of the launch. ``pdl``: chain by dependent launch."""
+    (cu_seqlens_q, context_lens); ``tiled``: the tile kernel's row marks ([T, Hkv] int8), whose marked rows it
+    skips. ``dot_f32``: ``dot_in_fp32`` of the launch. ``pdl``: chain by dependent launch."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     topk = topk_ids.shape[2]
@@ -200,14 +201,13 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
     block_h = max(16, next_pow2(num_heads // kv_heads))
     block_n, stages, page_ahead = _row_pipeline(prefill is None, splits, dot_f32, block_h, bs,
                                                 num_tokens * kv_heads * splits)
-    counts, tq, max_union = tiled if tiled is not None else (seq_lens, 1, 0)
     # One stride() call per tensor (~0.2 µs of host time each, before an eager prefill's first kernel).
     launch(_sparse_attn_kernel, (num_tokens, kv_heads, splits),
         q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3], topk_ids, *topk_ids.stride(),
         block_table, block_table.stride(0), block_table.shape[1], num_pages, seq_lens, decode_query_len, cu, ctx,
         block_table.shape[0], sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val,
-        out, *out.stride()[:2], m, l, acc, splits, counts, max_union,
-        IS_DECODE=prefill is None, SKIP_TILED=tiled is not None, TQ=tq, G=num_heads // kv_heads,
+        out, *out.stride()[:2], m, l, acc, splits, tiled if tiled is not None else seq_lens,
+        IS_DECODE=prefill is None, SKIP_TILED=tiled is not None, G=num_heads // kv_heads,
         BLOCK_H=block_h, BS=bs, D=dim, TOPK=topk, TOPK_PAD=ids_pad(topk),
         K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
         WRITE_OUT=splits == 1, PDL=pdl, PAGE_AHEAD=page_ahead, BLOCK_N=block_n, num_warps=4, num_stages=stages,
@@ -247,7 +247,7 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     """The tile kernel over tiles whose block union <= max_union. Prefill: ``prefill`` = (cu_seqlens_q,
     context_lens); decode: ``decode`` = (seq_lens, decode_query_len), one tile of tq >= decode_query_len rows
     per request, its union split over ``splits`` programs. ``union_apart``: the unions are built by a launch of
-    their own before the attention's. Returns the union sizes (int64, tile-major [tiles * Hkv])."""
+    their own before the attention's. Returns, in prefill, which rows the tile kernel computed ([T, Hkv] int8)."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     batch = block_table.shape[0]
@@ -256,14 +256,17 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     group = num_heads // kv_heads
     cu, ctx = prefill if prefill is not None else (decode[0], decode[0])
     seq_lens, dql = decode if decode is not None else (cu, 0)
-    # One allocation for the union scratch [tiles, Hkv, splits, 3, tq * k_pad] and the union sizes [tiles, Hkv]
-    # behind it: each allocation is host time before the first kernel of an eager prefill.
+    # One allocation for the union scratch [tiles, Hkv, splits, 3, tq * k_pad], the union sizes [3, tiles, Hkv] and
+    # in prefill the row marks [T, Hkv] (int8): each allocation is host time before the first kernel of an eager
+    # prefill.
     union_size = tiles * kv_heads * splits * 3 * tq * topk_pad
-    union = torch.empty(union_size + 3 * tiles * kv_heads, dtype=torch.int64, device=q.device)
-    counts = union[union_size:]
+    marks_words = cdiv(num_tokens * kv_heads, 8) if prefill is not None else 0
+    union = torch.empty(union_size + 3 * tiles * kv_heads + marks_words, dtype=torch.int64, device=q.device)
+    counts = union[union_size:union_size + 3 * tiles * kv_heads]
+    marks = union[union_size + 3 * tiles * kv_heads:].view(torch.int8) if prefill is not None else counts
     m, l, acc = _split_partials(out, splits)
     args = (q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3], topk_ids, *topk_ids.stride(), block_table,
-            block_table.stride(0), block_table.shape[1], num_pages, union, counts, cu, ctx, seq_lens, dql, batch,
+            block_table.stride(0), block_table.shape[1], num_pages, union, counts, marks, cu, ctx, seq_lens, dql, batch,
             kv_heads, max_union, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, out, *out.stride()[:2], m, l,
             acc, splits)
     consts = dict(G=group, GP=next_pow2(group), TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N),
@@ -275,7 +278,7 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     launch(_sparse_attn_tiles_kernel, (tiles, kv_heads, splits), *args, **consts, BUILD_UNION=not union_apart,
            ATTEND=True, num_warps=TILE_WARPS, num_stages=1 if dot_f32 else TILE_STAGES)
     _merge_split_partials(m, l, acc, out, splits, False)
-    return counts
+    return marks
 
 
 def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
@@ -293,9 +296,8 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
     tiled = None
     if block_table.shape[0] and max_query_len:
         tiles = cdiv(q.shape[0], tq) + block_table.shape[0]  # bounds the tile count whatever the lengths
-        counts = _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32,
-                            prefill=(cu_seqlens_q, context_lens), union_apart=True)
-        tiled = (counts, tq, max_union)
+        tiled = _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32,
+                           prefill=(cu_seqlens_q, context_lens), union_apart=True)
     return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, 0, sc, out, 1, dot_f32,
                      (cu_seqlens_q, context_lens), tiled)
 

@@ -2,10 +2,11 @@
 
 A tile is TQ consecutive rows of one request with all the query heads of one KV head: M = TQ x group rows (in
 decode, the request's decode_query_len speculative rows).
-Each program of ``_sparse_attn_tiles_kernel`` first writes the distinct valid block ids of its (tile, KV head),
-their pages and which rows chose them, then walks that union with an online softmax, each block's keys
-masked per row to the rows that selected it (and causally), so a block shared by the tile's rows costs one load and one
-M-row dot instead of one per row. The useful fraction of its work is TQ x k / (union size): high when
+``_sparse_attn_tiles_kernel`` writes the distinct valid block ids of each (tile, KV head), their pages and which
+rows chose them, then walks that union with an online softmax, each block's keys masked per row to the rows that
+selected it (and causally), so a block shared by the tile's rows costs one load and one M-row dot instead of one
+per row. Prefill builds the unions in a launch of its own (one warp per tile) before the attention's; decode
+builds each in the program that walks it. The useful fraction of its work is TQ x k / (union size): high when
 neighbouring tokens overlap (the own block always does), low for unrelated selections, where the per-row
 kernel wins; the launcher hands tiles whose union is larger than ``max_union`` to the per-row kernel. In
 decode a tile's union is split over SPLITS programs whose partial (max, sum, accumulator) triples are merged
@@ -173,7 +174,8 @@ def _attend_union(entries, lo, hi, n_all, n_full, q_ptr, q_st, q_sh, kv_ptr, kv_
 
 @triton.jit
 def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr, id_sh, id_st, id_sk, bt_ptr,
-                              bt_sb, width, num_pages, union_ptr, count_ptr, cu_ptr, ctx_ptr, seq_ptr, DQL, BATCH, HKV,
+                              bt_sb, width, num_pages, union_ptr, count_ptr, row_ptr, cu_ptr, ctx_ptr, seq_ptr, DQL,
+                              BATCH, HKV,
                               MAX_UNION, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st, o_sh, m_ptr,
                               l_ptr, acc_ptr, SPLITS, G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr,
                               BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
@@ -181,9 +183,10 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
                               DOT_F32: tl.constexpr, IS_DECODE: tl.constexpr, WRITE_OUT: tl.constexpr,
                               BUILD_UNION: tl.constexpr, ATTEND: tl.constexpr):
     """One program per (query tile, KV head, split): write the tile's block union (union_ptr: per-program
-    scratch [tiles, Hkv, SPLITS, 3, N]) and its (size, n_all, n_full) (count_ptr [3, tiles, Hkv], int64: the
-    per-row kernel computes the prefill tiles whose size is over MAX_UNION), then attend over the split's share of
-    the union if it has at most MAX_UNION blocks. BUILD_UNION alone: only the union (split 0's scratch); ATTEND
+    scratch [tiles, Hkv, SPLITS, 3, N]) and its (size, n_all, n_full) (count_ptr [3, tiles, Hkv], int64), then
+    attend over the split's share of the union if it has at most MAX_UNION blocks; in prefill, mark the rows of
+    such tiles (row_ptr [T, Hkv], int8: the per-row kernel computes the others). BUILD_UNION alone: only the union
+    and the marks (split 0's scratch); ATTEND
     alone: only the attention, over the union an earlier BUILD_UNION launch wrote. Decode: tile b is request b's
     DQL rows (positions seq_lens[b] - DQL ...); with SPLITS > 1 the partials go to m/l/acc_ptr [T, SPLITS, H(, D)]."""
     N: tl.constexpr = TQ * TOPK_PAD
@@ -216,6 +219,10 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
                 tl.store(count_ptr + tile_id, count)
                 tl.store(count_ptr + num_tiles + tile_id, n_all)
                 tl.store(count_ptr + 2 * num_tiles + tile_id, n_full)
+                if not IS_DECODE:
+                    rr = tl.arange(0, TQ)
+                    mark = tl.zeros([TQ], tl.int8) + (count <= MAX_UNION).to(tl.int8)
+                    tl.store(row_ptr + (row0 + rr) * HKV + g, mark, mask=rr < nrows)
             tl.debug_barrier()  # every thread's entries are visible to the whole program before they are read back
         else:
             entries = union_ptr + tile_id * SPLITS * 3 * N
