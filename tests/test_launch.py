@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from m3sparse.kernels.launch import _specializations, launch  # noqa: E402
+from m3sparse.kernels.launch import _specializations, launch, launch_each  # noqa: E402
 
 
 def _triton_specialization(arg):
@@ -71,3 +71,23 @@ def test_fast_launch_keys_compiled_kernels_by_specialization(monkeypatch):
         launch(gather, (1,), src, y, n, stride, BLOCK=128)
         assert torch.equal(y[:n], src[::stride][:n]), (offset, stride, n)
         assert y[n:].isnan().all()
+
+
+@pytest.mark.gpu
+def test_launch_each_runs_every_launch_in_order(monkeypatch):
+    """``launch_each`` launches one argument list under several constexpr sets, in order (the second launch reads
+    what the first wrote), through the launcher once compiled."""
+    @triton.jit
+    def step(x_ptr, n, ADD: tl.constexpr, SCALE: tl.constexpr):
+        i = tl.arange(0, 128)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) * SCALE + ADD, mask=i < n)
+
+    launches = (((1,), dict(ADD=1.0, SCALE=1.0)), ((1,), dict(ADD=0.0, SCALE=3.0)))
+    for round_ in range(2):
+        if round_ == 1:
+            monkeypatch.setattr(type(step), "run", lambda *a, **k: pytest.fail("the JIT ran for a cached key"))
+        x = torch.arange(128, dtype=torch.float32, device="cuda")
+        launch_each(step, (x, 100), launches)
+        expected = torch.arange(128, dtype=torch.float32, device="cuda")
+        expected[:100] = (expected[:100] + 1) * 3
+        assert torch.equal(x, expected)

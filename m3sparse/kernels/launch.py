@@ -36,23 +36,32 @@ def _launch_hooked() -> bool:
 def launch(kernel: triton.JITFunction, grid: tuple[int, ...], *args, **meta) -> None:
     """``kernel[grid](*args, **meta)``: ``args`` are the kernel's leading parameters, ``meta`` names every other
     parameter (the constexprs) and the launch options (num_warps, num_stages, launch_pdl)."""
+    launch_each(kernel, args, ((grid, meta),))
+
+
+def launch_each(kernel: triton.JITFunction, args: tuple, launches) -> None:
+    """``launch(kernel, grid, *args, **meta)`` for each (grid, meta) of ``launches`` in turn, the arguments'
+    specialization computed once (~5 µs of host time per launch after the first, on a CPU host)."""
     if interpreting() or _launch_hooked():
-        kernel[grid](*args, **meta)
+        for grid, meta in launches:
+            kernel[grid](*args, **meta)
         return
     device = torch._C._cuda_getDevice()  # torch.cuda.current_device() less its lazy-init check (CUDA tensors: done)
     held = _compiled.get(id(kernel))
     if held is None:
         held = _compiled[id(kernel)] = (kernel, {})
     table = held[1]
-    key = (device, tuple(meta.items()), _specializations(args))
-    entry = table.get(key)
-    if entry is None:
-        compiled = kernel[grid](*args, **meta)
-        tail = tuple(meta[name] if name in meta else param.default
-                     for name, param in zip(kernel.arg_names[len(args):], kernel.params[len(args):]))
-        table[key] = (compiled, compiled.run, tail)
-        return
-    compiled, run, tail = entry
-    grid = tuple(grid) + (1,) * (3 - len(grid))
-    run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
-        compiled.packed_metadata, None, None, None, *args, *tail)
+    spec = _specializations(args)
+    for grid, meta in launches:
+        key = (device, tuple(meta.items()), spec)
+        entry = table.get(key)
+        if entry is None:
+            compiled = kernel[grid](*args, **meta)
+            tail = tuple(meta[name] if name in meta else param.default
+                         for name, param in zip(kernel.arg_names[len(args):], kernel.params[len(args):]))
+            table[key] = (compiled, compiled.run, tail)
+            continue
+        compiled, run, tail = entry
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
+            compiled.packed_metadata, None, None, None, *args, *tail)

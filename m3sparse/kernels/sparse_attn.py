@@ -17,7 +17,7 @@ import triton.language as tl
 from .._validation import FP8_DTYPES
 from .common import H200_SMS, cdiv, dot_in_fp32, ids_pad, next_pow2, scale_args
 from .dependent_launch import chained_launch, dependent_launch_works, wait_for_producer
-from .launch import launch
+from .launch import launch, launch_each
 from .online_softmax import attend_keys, store_rows
 from .rows import locate_prefill
 from .sparse_attn_tiles import _sparse_attn_tiles_kernel
@@ -272,11 +272,11 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     consts = dict(G=group, GP=next_pow2(group), TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N),
                   D=dim, TOPK=topk, TOPK_PAD=topk_pad, K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
                   IS_DECODE=decode is not None, WRITE_OUT=splits == 1)
-    if union_apart:
-        launch(_sparse_attn_tiles_kernel, (tiles, kv_heads, 1), *args, **consts, BUILD_UNION=True, ATTEND=False,
-               num_warps=UNION_WARPS, num_stages=1)
-    launch(_sparse_attn_tiles_kernel, (tiles, kv_heads, splits), *args, **consts, BUILD_UNION=not union_apart,
-           ATTEND=True, num_warps=TILE_WARPS, num_stages=1 if dot_f32 else TILE_STAGES)
+    attend = ((tiles, kv_heads, splits), dict(consts, BUILD_UNION=not union_apart, ATTEND=True,
+                                              num_warps=TILE_WARPS, num_stages=1 if dot_f32 else TILE_STAGES))
+    union_only = ((tiles, kv_heads, 1), dict(consts, BUILD_UNION=True, ATTEND=False, num_warps=UNION_WARPS,
+                                             num_stages=1))
+    launch_each(_sparse_attn_tiles_kernel, args, (union_only, attend) if union_apart else (attend,))
     _merge_split_partials(m, l, acc, out, splits, False)
     return marks
 
