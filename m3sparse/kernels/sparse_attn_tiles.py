@@ -175,9 +175,8 @@ def _attend_union(entries, lo, hi, n_all, n_full, q_ptr, q_st, q_sh, kv_ptr, kv_
 @triton.jit
 def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr, id_sh, id_st, id_sk, bt_ptr,
                               bt_sb, width, num_pages, union_ptr, count_ptr, row_ptr, cu_ptr, ctx_ptr, seq_ptr, DQL,
-                              BATCH, HKV,
-                              MAX_UNION, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st, o_sh, m_ptr,
-                              l_ptr, acc_ptr, SPLITS, G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr,
+                              BATCH, HKV, MAX_UNION, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st, o_sh,
+                              m_ptr, l_ptr, acc_ptr, SPLITS, G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr,
                               BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
                               TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
                               DOT_F32: tl.constexpr, IS_DECODE: tl.constexpr, WRITE_OUT: tl.constexpr,
@@ -186,9 +185,9 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
     scratch [tiles, Hkv, SPLITS, 3, N]) and its (size, n_all, n_full) (count_ptr [3, tiles, Hkv], int64), then
     attend over the split's share of the union if it has at most MAX_UNION blocks; in prefill, mark the rows of
     such tiles (row_ptr [T, Hkv], int8: the per-row kernel computes the others). BUILD_UNION alone: only the union
-    and the marks (split 0's scratch); ATTEND
-    alone: only the attention, over the union an earlier BUILD_UNION launch wrote. Decode: tile b is request b's
-    DQL rows (positions seq_lens[b] - DQL ...); with SPLITS > 1 the partials go to m/l/acc_ptr [T, SPLITS, H(, D)]."""
+    and the marks (split 0's scratch); ATTEND alone: only the attention, over the union an earlier BUILD_UNION
+    launch wrote. Decode: tile b is request b's DQL rows (positions seq_lens[b] - DQL ...); with SPLITS > 1 the
+    partials go to m/l/acc_ptr [T, SPLITS, H(, D)]."""
     N: tl.constexpr = TQ * TOPK_PAD
     i = tl.program_id(0)
     g = tl.program_id(1)
@@ -223,7 +222,8 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
                     rr = tl.arange(0, TQ)
                     mark = tl.zeros([TQ], tl.int8) + (count <= MAX_UNION).to(tl.int8)
                     tl.store(row_ptr + (row0 + rr) * HKV + g, mark, mask=rr < nrows)
-            tl.debug_barrier()  # every thread's entries are visible to the whole program before they are read back
+            if ATTEND:
+                tl.debug_barrier()  # every thread's entries are visible to the whole program before they are read
         else:
             entries = union_ptr + tile_id * SPLITS * 3 * N
             count = tl.load(count_ptr + tile_id).to(tl.int32)
