@@ -243,11 +243,12 @@ def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
 
 
 def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32, prefill=None,
-               decode=None, splits=1, union_apart=False):
+               decode=None, splits=1):
     """The tile kernel over tiles whose block union <= max_union. Prefill: ``prefill`` = (cu_seqlens_q,
-    context_lens); decode: ``decode`` = (seq_lens, decode_query_len), one tile of tq >= decode_query_len rows
-    per request, its union split over ``splits`` programs. ``union_apart``: the unions are built by a launch of
-    their own before the attention's. Returns, in prefill, which rows the tile kernel computed ([T, Hkv] int8)."""
+    context_lens), the unions built by a launch of their own before the attention's; decode: ``decode`` =
+    (seq_lens, decode_query_len), one tile of tq >= decode_query_len rows per request, its union split over
+    ``splits`` programs that each build it. Returns, in prefill, which rows the tile kernel computed ([T, Hkv]
+    int8)."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     batch = block_table.shape[0]
@@ -256,14 +257,16 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     group = num_heads // kv_heads
     cu, ctx = prefill if prefill is not None else (decode[0], decode[0])
     seq_lens, dql = decode if decode is not None else (cu, 0)
-    # One allocation for the union scratch [tiles, Hkv, splits, 3, tq * k_pad], the union sizes [3, tiles, Hkv] and
-    # in prefill the row marks [T, Hkv] (int8): each allocation is host time before the first kernel of an eager
-    # prefill.
+    # One allocation for the union scratch [tiles, Hkv, splits, 3, tq * k_pad] and, for a union launch apart (prefill),
+    # the union sizes [3, tiles, Hkv] and the row marks [T, Hkv] (int8): each allocation is host time before the
+    # first kernel of an eager prefill.
+    apart = prefill is not None
     union_size = tiles * kv_heads * splits * 3 * tq * topk_pad
-    marks_words = cdiv(num_tokens * kv_heads, 8) if prefill is not None else 0
-    union = torch.empty(union_size + 3 * tiles * kv_heads + marks_words, dtype=torch.int64, device=q.device)
-    counts = union[union_size:union_size + 3 * tiles * kv_heads]
-    marks = union[union_size + 3 * tiles * kv_heads:].view(torch.int8) if prefill is not None else counts
+    sizes_words = 3 * tiles * kv_heads if apart else 0
+    marks_words = cdiv(num_tokens * kv_heads, 8) if apart else 0
+    union = torch.empty(union_size + sizes_words + marks_words, dtype=torch.int64, device=q.device)
+    counts = union[union_size:union_size + sizes_words]
+    marks = union[union_size + sizes_words:].view(torch.int8)
     m, l, acc = _split_partials(out, splits)
     args = (q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3], topk_ids, *topk_ids.stride(), block_table,
             block_table.stride(0), block_table.shape[1], num_pages, union, counts, marks, cu, ctx, seq_lens, dql, batch,
@@ -272,11 +275,11 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     consts = dict(G=group, GP=next_pow2(group), TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N),
                   D=dim, TOPK=topk, TOPK_PAD=topk_pad, K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
                   IS_DECODE=decode is not None, WRITE_OUT=splits == 1)
-    attend = ((tiles, kv_heads, splits), dict(consts, BUILD_UNION=not union_apart, ATTEND=True,
+    attend = ((tiles, kv_heads, splits), dict(consts, BUILD_UNION=not apart, ATTEND=True,
                                               num_warps=TILE_WARPS, num_stages=1 if dot_f32 else TILE_STAGES))
     union_only = ((tiles, kv_heads, 1), dict(consts, BUILD_UNION=True, ATTEND=False, num_warps=UNION_WARPS,
                                              num_stages=1))
-    launch_each(_sparse_attn_tiles_kernel, args, (union_only, attend) if union_apart else (attend,))
+    launch_each(_sparse_attn_tiles_kernel, args, (union_only, attend) if apart else (attend,))
     _merge_split_partials(m, l, acc, out, splits, False)
     return marks
 
@@ -297,7 +300,7 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
     if block_table.shape[0] and max_query_len:
         tiles = cdiv(q.shape[0], tq) + block_table.shape[0]  # bounds the tile count whatever the lengths
         tiled = _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32,
-                           prefill=(cu_seqlens_q, context_lens), union_apart=True)
+                           prefill=(cu_seqlens_q, context_lens))
     return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, 0, sc, out, 1, dot_f32,
                      (cu_seqlens_q, context_lens), tiled)
 

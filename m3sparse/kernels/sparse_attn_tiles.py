@@ -182,10 +182,10 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
                               DOT_F32: tl.constexpr, IS_DECODE: tl.constexpr, WRITE_OUT: tl.constexpr,
                               BUILD_UNION: tl.constexpr, ATTEND: tl.constexpr):
     """One program per (query tile, KV head, split): write the tile's block union (union_ptr: per-program
-    scratch [tiles, Hkv, SPLITS, 3, N]) and its (size, n_all, n_full) (count_ptr [3, tiles, Hkv], int64), then
-    attend over the split's share of the union if it has at most MAX_UNION blocks; in prefill, mark the rows of
-    such tiles (row_ptr [T, Hkv], int8: the per-row kernel computes the others). BUILD_UNION alone: only the union
-    and the marks (split 0's scratch); ATTEND alone: only the attention, over the union an earlier BUILD_UNION
+    scratch [tiles, Hkv, SPLITS, 3, N]), then attend over the split's share of the union if it has at most
+    MAX_UNION blocks. BUILD_UNION alone (prefill): only the union (split 0's scratch), its (size, n_all, n_full)
+    (count_ptr [3, tiles, Hkv], int64) and a mark on the rows of tiles the attention will compute (row_ptr
+    [T, Hkv], int8: the per-row kernel computes the others); ATTEND alone: only the attention, over what such a
     launch wrote. Decode: tile b is request b's DQL rows (positions seq_lens[b] - DQL ...); with SPLITS > 1 the
     partials go to m/l/acc_ptr [T, SPLITS, H(, D)]."""
     N: tl.constexpr = TQ * TOPK_PAD
@@ -214,16 +214,16 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
             entries = union_ptr + (tile_id * SPLITS + (split if ATTEND else 0)) * 3 * N
             count, n_all, n_full = _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_ptr + b * bt_sb,
                                                       width, num_pages, g, row0, nrows, first, TQ, TOPK, TOPK_PAD, BS)
-            if split == 0:
+            if ATTEND:
+                tl.debug_barrier()  # every thread's entries are visible to the whole program before they are read
+            else:
+                # For the attention launch and the per-row kernel that follow.
                 tl.store(count_ptr + tile_id, count)
                 tl.store(count_ptr + num_tiles + tile_id, n_all)
                 tl.store(count_ptr + 2 * num_tiles + tile_id, n_full)
-                if not IS_DECODE:
-                    rr = tl.arange(0, TQ)
-                    mark = tl.zeros([TQ], tl.int8) + (count <= MAX_UNION).to(tl.int8)
-                    tl.store(row_ptr + (row0 + rr) * HKV + g, mark, mask=rr < nrows)
-            if ATTEND:
-                tl.debug_barrier()  # every thread's entries are visible to the whole program before they are read
+                rr = tl.arange(0, TQ)
+                mark = tl.zeros([TQ], tl.int8) + (count <= MAX_UNION).to(tl.int8)
+                tl.store(row_ptr + (row0 + rr) * HKV + g, mark, mask=rr < nrows)
         else:
             entries = union_ptr + tile_id * SPLITS * 3 * N
             count = tl.load(count_ptr + tile_id).to(tl.int32)
