@@ -18,19 +18,25 @@ def attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptrs, vs_ptrs, slot_mas
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k.to(q.dtype)))
-    s = s * k_mult
+    # A host-side k_mult (K_SCALE 0) is > 0 (validated): the row max is taken on the raw dots and scaled once per
+    # row, and each score's scaling folds into its exponent's FMA (one multiply less per score).
+    if K_SCALE == 0:
+        mult = k_mult
+    else:
+        s = s * k_mult
+        mult = 1.0
     if K_SCALE == 2:
         s = s * tl.load(ks_ptrs, mask=slot_mask, other=0.0)[None, :]
     if MASKED:
         s = tl.where(seen, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * mult)
     m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # no key seen yet: keep exp() finite
     if EXP2:
         alpha = tl.exp2(m_i - m_ref)
-        w = tl.exp2(s - m_ref[:, None])
+        w = tl.exp2(s * mult - m_ref[:, None])
     else:
         alpha = tl.exp(m_i - m_ref)
-        w = tl.exp(s - m_ref[:, None])
+        w = tl.exp(s * mult - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(w, axis=1)
     if V_SCALE == 2:
         w = w * tl.load(vs_ptrs, mask=slot_mask, other=0.0)[None, :]
