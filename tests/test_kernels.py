@@ -275,6 +275,28 @@ def test_fp8_index_queries_select_as_reference(target, decode):
                           tol=bound * (2e-4 if target == "cuda" else 1e-6))
 
 
+@pytest.mark.parametrize("block_m, splits", [(128, 2), (64, 4), (128, 8)])
+def test_fp8_index_prefill_tilings(target, block_m, splits):
+    """The fp8 prefill scorer at the row tilings its rule picks between, with its blocks split over programs."""
+    from m3sparse.kernels.index_topk import _index_topk_prefill
+    if target == "cuda":
+        spec = dict(requests=[(9000, 700), (0, 2100), (130_000, 9)], heads=16, kv_heads=1, block_size=128)
+    else:
+        spec = dict(requests=[(37, 29), (0, 45), (150, 3)], heads=6, kv_heads=3, block_size=16)
+    batch = make_batch(**spec, index_dtype=torch.float8_e4m3fn, q_dtype=act_dtype(target), seed=block_m + splits,
+                       device=device_of(target))
+    batch = dataclasses.replace(batch, index_q=m3sparse.quantize_index_q(batch.index_q))
+    meta = batch.prefill_meta()
+    sel = dict(topk=16, local_blocks=1, init_blocks=1)
+    got = poisoned_ids(batch.kv_heads, batch.q.shape[0], 16, batch.q.device)
+    _index_topk_prefill(batch.index_q, batch.index_cache, batch.index_block_table, meta["cu_seqlens_q"],
+                        meta["context_lens"], meta["max_query_len"], 16, 1, 1, got, block_m=block_m, splits=splits)
+    key_max = max(k.abs().max().item() for k in batch.index_keys if k.numel())
+    bound = batch.index_q.float().abs().sum(-1).max().item() * key_max
+    assert_same_selection(batch, got.cpu(), batch.index_prefill(impl=reference, **sel).cpu(), **sel,
+                          tol=bound * (2e-4 if target == "cuda" else 1e-6))
+
+
 @pytest.mark.gpu
 def test_quantize_index_q_kernel_matches_reference_bit_for_bit():
     """The Triton quantiser against the torch formula: bf16, fp16 and fp32 queries, a strided view, magnitudes

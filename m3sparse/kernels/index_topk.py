@@ -38,6 +38,10 @@ PREFILL_LONG_BLOCK_M, PREFILL_LONG_STAGES, PREFILL_LONG_MIN_BLOCKS = 128, 3, 64
 # e4m3 queries and keys (fp8 dots) take half the shared memory per key block: 5 stages still fit two programs per
 # SM. H200, graph replays, 3 -> 5 stages: 128k 2.73 -> 2.54 ms, 32k 0.239 -> 0.220, 8k on 120k 0.461 -> 0.420.
 PREFILL_LONG_STAGES_FP8 = 5
+# With fp8 dots, 128-row tiles split over more than two programs lose to 64-row ones (H200, graph replays, 128 / 64
+# rows: 8k on 120k 0.421 / 0.404 ms (8 / 4 splits), 8k on 56k 0.223 / 0.206, 16k on 112k 0.796 / 0.768 (4 / 2);
+# 32k 0.224 / 0.236 (2 / 1), 128k one split either way).
+PREFILL_LONG_MAX_SPLITS_FP8 = 2
 # Decode selection: 4 warps per row up to this many (padded) blocks, 8 above (H200, 16-layer graphs, index us, 4 / 8
 # warps: 1 x 32k 7.0 / 7.2, 32 x 32k 65.3 / 65.5, 1 x 128k 15.1 / 14.3, 8 x 128k 68.1 / 67.5). Past
 # SELECT_ONE_PASS_MAX_BLOCKS it first picks groups of blocks by their maxima (index us, one pass / groups of
@@ -277,17 +281,18 @@ def _fp8_keys(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     return cache_dtype == torch.float8_e4m3fn and q_dtype != cache_dtype and not dot_in_fp32(q_dtype, cache_dtype)
 
 
-def _prefill_tiling(max_query_len: int, batch: int, width: int, hkv_pad: int, block_m: int | None,
-                    splits: int | None) -> tuple[int, int, int]:
+def _prefill_tiling(max_query_len: int, batch: int, width: int, hkv_pad: int, fp8_dots: bool,
+                    block_m: int | None, splits: int | None) -> tuple[int, int, int]:
     """(rows x index heads per tile, tiles per request, block splits per tile) of the prefill scorer: 128-row
-    tiles when each program still walks >= PREFILL_LONG_MIN_BLOCKS of the table's blocks, else 64 (``block_m`` /
-    ``splits`` given: those)."""
+    tiles when each program still walks >= PREFILL_LONG_MIN_BLOCKS of the table's blocks (fp8 dots: and the tiles
+    take at most PREFILL_LONG_MAX_SPLITS_FP8 splits), else 64 (``block_m`` / ``splits`` given: those)."""
     for m in (block_m,) if block_m else (PREFILL_LONG_BLOCK_M, PREFILL_BLOCK_M):
         tile_m = max(m, 16, hkv_pad)
         tiles = cdiv(max_query_len, tile_m // hkv_pad)
         # Few tiles over a long prefix cannot fill the GPU: split their blocks (>= 32 per split).
         tile_splits = splits or next_pow2(max(1, min(cdiv(_PREFILL_TARGET_PROGRAMS, tiles * batch), cdiv(width, 32))))
-        if width // tile_splits >= PREFILL_LONG_MIN_BLOCKS:
+        few_splits = not fp8_dots or tile_splits <= PREFILL_LONG_MAX_SPLITS_FP8
+        if width // tile_splits >= PREFILL_LONG_MIN_BLOCKS and few_splits:
             break
     return tile_m, tiles, tile_splits
 
@@ -300,10 +305,10 @@ def _index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, context
     if num_tokens == 0 or batch == 0 or width == 0 or max_query_len == 0:
         return out.fill_(-1)
     hkv_pad = next_pow2(kv_heads)
-    block_m, tiles, splits = _prefill_tiling(max_query_len, batch, width, hkv_pad, block_m, splits)
-    long_tiles = block_m >= PREFILL_LONG_BLOCK_M
     dot_f32 = dot_in_fp32(index_q.dtype, index_cache.dtype)
     fp8_dots = index_q.dtype == torch.float8_e4m3fn and not dot_f32
+    block_m, tiles, splits = _prefill_tiling(max_query_len, batch, width, hkv_pad, fp8_dots, block_m, splits)
+    long_tiles = block_m >= PREFILL_LONG_BLOCK_M
     topk_pad = next_pow2(topk)
     nb_pad = max(16, next_pow2(width))
     cand = torch.empty((kv_heads, num_tokens, splits, topk_pad), dtype=torch.int64, device=index_q.device) \
