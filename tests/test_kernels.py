@@ -278,16 +278,20 @@ def fp8_score_tol(batch, target):
     return bound * (2e-4 if target == "cuda" else 1e-6)
 
 
+def tiling_batch_spec(target):
+    """Requests for the prefill scorer's tiling tests: a chunk on a prefix, a fresh prefill and a short chunk on a
+    long prefix (on the GPU at real shapes, where its blocks take the split paths)."""
+    if target == "cuda":
+        return dict(requests=[(9000, 700), (0, 2100), (130_000, 9)], heads=16, kv_heads=1, block_size=128)
+    return dict(requests=[(37, 29), (0, 45), (150, 3)], heads=6, kv_heads=3, block_size=16)
+
+
 @pytest.mark.parametrize("block_m, splits", [(128, 2), (64, 4), (128, 8)])
 def test_fp8_index_prefill_tilings(target, block_m, splits):
     """The fp8 prefill scorer at the row tilings its rule picks between, with its blocks split over programs."""
     from m3sparse.kernels.index_topk import _index_topk_prefill
-    if target == "cuda":
-        spec = dict(requests=[(9000, 700), (0, 2100), (130_000, 9)], heads=16, kv_heads=1, block_size=128)
-    else:
-        spec = dict(requests=[(37, 29), (0, 45), (150, 3)], heads=6, kv_heads=3, block_size=16)
-    batch = make_batch(**spec, index_dtype=torch.float8_e4m3fn, q_dtype=act_dtype(target), seed=block_m + splits,
-                       device=device_of(target))
+    batch = make_batch(**tiling_batch_spec(target), index_dtype=torch.float8_e4m3fn, q_dtype=act_dtype(target),
+                       seed=block_m + splits, device=device_of(target))
     batch = dataclasses.replace(batch, index_q=m3sparse.quantize_index_q(batch.index_q))
     meta = batch.prefill_meta()
     sel = dict(topk=16, local_blocks=1, init_blocks=1)
@@ -353,10 +357,8 @@ def test_index_prefill_tilings_and_block_splits(target, block_m, splits, topk):
     """The prefill index kernel at other row tilings, its blocks split over programs (merged candidates; k = 1
     merges with a top-k of two, the narrowest the bitonic top-k takes)."""
     from m3sparse.kernels.index_topk import _index_topk_prefill
-    spec = dict(requests=[(37, 29), (0, 45), (150, 3)], heads=6, kv_heads=3, block_size=16)
-    if target == "cuda":
-        spec = dict(requests=[(9000, 700), (0, 2100), (130_000, 9)], heads=16, kv_heads=1, block_size=128)
-    batch = make_batch(**spec, q_dtype=act_dtype(target), seed=block_m + splits, device=device_of(target))
+    batch = make_batch(**tiling_batch_spec(target), q_dtype=act_dtype(target), seed=block_m + splits,
+                       device=device_of(target))
     meta = batch.prefill_meta()
     sel = dict(topk=topk, local_blocks=min(2, topk - 1), init_blocks=int(topk > 2))
     got = poisoned_ids(batch.kv_heads, batch.q.shape[0], topk, batch.q.device)
