@@ -5,9 +5,10 @@ fill the GPU) and writes one fp32 score per (row, head, block); ``_select_topk_k
 k largest packed keys (``block_keys``: forced blocks, NaN and ties are ordered by the key alone) in one bitonic
 top-k.
 
-Prefill: ``_score_topk_kernel`` keeps a running top-k of packed keys per (row, head) in registers while it
-walks the blocks, so no score matrix is written; when a tile's blocks are split across programs (few tiles,
-long prefix) each split writes its top-k candidates and ``_merge_topk_kernel`` picks from them.
+Prefill: ``_score_topk_kernel`` keeps a top-k of packed keys per (row, head) in registers while it walks the
+blocks, merging the scores of each group of TOPK_PAD blocks into it at once, so no score matrix is written; when a
+tile's blocks are split across programs (few tiles, long prefix) each split writes its top-k candidates and
+``_merge_topk_kernel`` picks from them.
 Both families tile the M dimension with (row, index head) pairs: the one index-key head is read once for all
 index heads. e4m3 queries against e4m3 keys take fp8 dots in both.
 """
@@ -23,7 +24,6 @@ from .dependent_launch import chained_launch, wait_for_producer
 from .launch import launch
 from .rows import prefill_request_rows
 
-_EMPTY_SLOT = tl.constexpr(2**63 - 1)  # top-k columns past k: never the minimum, never replaced
 _PREFILL_TARGET_PROGRAMS = 2 * H200_SMS
 _DECODE_MAX_PROGRAMS = 512  # decode scoring grid cap (H200 sweep, docs/perf-notes.md)
 PREFILL_BLOCK_M = 64  # H200 sweep (docs/perf-notes.md): 64 rows x 4 warps
@@ -69,20 +69,31 @@ def _score_block(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, kb, pos, j, d, 
 
 
 @triton.jit
-def _running_topk(top, lo, hi, q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, pos, own, j, d, LOCAL, INIT,
-                  BS: tl.constexpr, DOT_F32: tl.constexpr, NB_PAD: tl.constexpr, CAUSAL: tl.constexpr):
-    """top [M, TOPK_PAD] after blocks lo..hi-1: each block's packed key replaces a row's smallest when larger.
+def _merge_pending(top, pend, base, count, own, LOCAL, INIT, NB_PAD: tl.constexpr):
+    """The G largest of top [M, G] (sorted, descending) and the packed keys of the first ``count`` columns of
+    pend [M, G] (fp32 scores of blocks base, base + 1, ...), sorted descending."""
+    G: tl.constexpr = pend.shape[1]
+    col = tl.arange(0, G)
+    keys = packed_block_key(pend, base + col[None, :], own[:, None], LOCAL, INIT, NB_PAD)
+    keys = tl.where((col < count)[None, :], keys, 0)
+    # top descending, keys ascending: their elementwise max is bitonic and holds the G largest of both.
+    return tl.bitonic_merge(tl.maximum(top, tl.sort(keys)), descending=True)
 
-    A row's slots hold distinct values (its blocks' keys; while empty, negatives rising from the left), so its
-    minimum marks exactly one slot, the leftmost empty one while any is left: a plain min finds it, no argmin
-    (whose index travels through every shuffle of the reduction). Keys of 0 (blocks a row does not see) never
-    enter."""
+
+@triton.jit
+def _batched_topk(top, pend, base, lo, hi, q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, pos, own, j, d,
+                  LOCAL, INIT, BS: tl.constexpr, DOT_F32: tl.constexpr, NB_PAD: tl.constexpr, CAUSAL: tl.constexpr):
+    """(top, pend, base) after blocks lo..hi-1: each block's scores go to column kb - base of pend [M, G]; a full
+    group is merged into top and the next one starts at base + G."""
+    G: tl.constexpr = pend.shape[1]
+    col = tl.arange(0, G)
     for kb in range(lo, hi):
         s = _score_block(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, kb, pos, j, d, BS, DOT_F32, CAUSAL)
-        key = packed_block_key(s, kb, own, LOCAL, INIT, NB_PAD)
-        low = tl.min(top, axis=1)
-        top = tl.where((top == low[:, None]) & (key > tl.maximum(low, 0))[:, None], key[:, None], top)
-    return top
+        pend = tl.where((col == kb - base)[None, :], s[:, None], pend)
+        if kb - base == G - 1:
+            top = _merge_pending(top, pend, base, G, own, LOCAL, INIT, NB_PAD)
+            base += G
+    return top, pend, base
 
 
 @triton.jit
@@ -234,17 +245,20 @@ def _score_request_tile(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_s
                     mask=live[:, None], other=0.0)
         if DOT_F32:
             q = q.to(tl.float32)
-        # Running top-k per row; empty slot c holds c - k, so blocks fill the slots from the left. Blocks that end
-        # at or before the tile's first row need no causal mask: ~40 % of the ALU work of a block, and the scorer is
-        # ALU-bound once its loads are in flight.
-        empty = tl.where(col < TOPK, col.to(tl.int64) - TOPK, _EMPTY_SLOT)
-        top = tl.zeros([BLOCK_M, TOPK_PAD], tl.int64) + empty[None, :]
+        # Each row's top-k, kept sorted (0 = empty), takes the scores of TOPK_PAD blocks at a time by one sort and
+        # one bitonic merge: ~340 instructions per block plus ~100 for its share of a merge, against ~580 for a
+        # replace-the-minimum per block (sm_90 SASS, 128 rows; perf-notes v17). A tile-wide test that skips the
+        # merges that change no row lost (its reduction and barriers cost more than the merges it skipped).
+        # Blocks that end at or before the tile's first row need no causal mask.
+        top = tl.zeros([BLOCK_M, TOPK_PAD], tl.int64)
+        pend = tl.zeros([BLOCK_M, TOPK_PAD], tl.float32)
         bt_row = bt_ptr + b * bt_sb
         unmasked_end = tl.maximum(lo, tl.minimum(hi, (first + tile * ROWS + 1) // BS))
-        top = _running_topk(top, lo, unmasked_end, q, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, pos, own, j, d,
-                            LOCAL, INIT, BS, DOT_F32, NB_PAD, False)
-        top = _running_topk(top, unmasked_end, hi, q, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, pos, own, j, d,
-                            LOCAL, INIT, BS, DOT_F32, NB_PAD, True)
+        top, pend, base = _batched_topk(top, pend, lo, lo, unmasked_end, q, ik_ptr, ik_sp, ik_ss, bt_row, num_pages,
+                                        pos, own, j, d, LOCAL, INIT, BS, DOT_F32, NB_PAD, False)
+        top, pend, base = _batched_topk(top, pend, base, unmasked_end, hi, q, ik_ptr, ik_sp, ik_ss, bt_row,
+                                        num_pages, pos, own, j, d, LOCAL, INIT, BS, DOT_F32, NB_PAD, True)
+        top = _merge_pending(top, pend, base, hi - base, own, LOCAL, INIT, NB_PAD)
         keep = live[:, None] & (col < TOPK)[None, :]
         if WRITE_IDS:
             ids = tl.where(top > 0, block_of_key(top, NB_PAD), -1).to(tl.int32)
