@@ -31,9 +31,10 @@ PREFILL_BLOCK_M = 64  # H200 sweep (docs/perf-notes.md): 64 rows x 4 warps
 # and 3 from 5 (each load issued two blocks ahead). 5 against 2 on the H200 (perf-notes v8): 128k 5.20 -> 4.11 ms,
 # 8k on 120k 0.73 -> 0.57, 32k with 4 KV heads 1.16 -> 1.08; only 16k-32k with one KV head lose (5-7 %).
 PREFILL_STAGES = 5
-# Programs that walk many blocks score 128 rows per key block (half the key loads per dot), on 4 warps with 3
-# stages (8 warps or 5 stages were slower). H200, graph replays (perf-notes v10): 8k on 120k 0.586 -> 0.549 ms, 32k
-# 0.312 -> 0.280, 128k 4.12 -> 3.85; with <= 32 blocks per program (8k, 16k, 2k on 30k) 64 rows stay faster.
+# With fp8 dots, programs that walk many blocks score 128 rows per key block (half the key loads per dot) on 4
+# warps. 16-bit dots took them too (v10) until the top-k merged 16 blocks at a time; since, 64 rows win (H200, graph
+# replays, 128 / 64 rows, perf-notes v17: 128k 3.66 / 3.48 ms, 32k 0.264 / 0.244, 8k on 120k 0.502 / 0.467; fp8
+# 128k 2.09 / 2.20, 32k 0.174 / 0.193). 16-bit 128-row tiles, asked for by ``block_m``, run 3 stages.
 PREFILL_LONG_BLOCK_M, PREFILL_LONG_STAGES, PREFILL_LONG_MIN_BLOCKS = 128, 3, 64
 # e4m3 queries and keys (fp8 dots) take half the shared memory per key block: 5 stages still fit two programs per
 # SM. H200, graph replays, 3 -> 5 stages: 128k 2.73 -> 2.54 ms, 32k 0.239 -> 0.220, 8k on 120k 0.461 -> 0.420.
@@ -297,16 +298,16 @@ def _fp8_keys(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
 
 def _prefill_tiling(max_query_len: int, batch: int, width: int, hkv_pad: int, fp8_dots: bool,
                     block_m: int | None, splits: int | None) -> tuple[int, int, int]:
-    """(rows x index heads per tile, tiles per request, block splits per tile) of the prefill scorer: 128-row
-    tiles when each program still walks >= PREFILL_LONG_MIN_BLOCKS of the table's blocks (fp8 dots: and the tiles
-    take at most PREFILL_LONG_MAX_SPLITS_FP8 splits), else 64 (``block_m`` / ``splits`` given: those)."""
-    for m in (block_m,) if block_m else (PREFILL_LONG_BLOCK_M, PREFILL_BLOCK_M):
+    """(rows x index heads per tile, tiles per request, block splits per tile) of the prefill scorer: with fp8 dots
+    128-row tiles when each program still walks >= PREFILL_LONG_MIN_BLOCKS of the table's blocks and the tiles take
+    at most PREFILL_LONG_MAX_SPLITS_FP8 splits, else 64 (``block_m`` / ``splits`` given: those)."""
+    rows = (PREFILL_LONG_BLOCK_M, PREFILL_BLOCK_M) if fp8_dots else (PREFILL_BLOCK_M,)
+    for m in (block_m,) if block_m else rows:
         tile_m = max(m, 16, hkv_pad)
         tiles = cdiv(max_query_len, tile_m // hkv_pad)
         # Few tiles over a long prefix cannot fill the GPU: split their blocks (>= 32 per split).
         tile_splits = splits or next_pow2(max(1, min(cdiv(_PREFILL_TARGET_PROGRAMS, tiles * batch), cdiv(width, 32))))
-        few_splits = not fp8_dots or tile_splits <= PREFILL_LONG_MAX_SPLITS_FP8
-        if width // tile_splits >= PREFILL_LONG_MIN_BLOCKS and few_splits:
+        if width // tile_splits >= PREFILL_LONG_MIN_BLOCKS and tile_splits <= PREFILL_LONG_MAX_SPLITS_FP8:
             break
     return tile_m, tiles, tile_splits
 
