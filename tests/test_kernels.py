@@ -142,7 +142,7 @@ SMALL_CASES = {
     "block-edges-128": dict(requests=[(126, 1), (127, 1), (128, 1), (129, 1), (2047, 1), (2048, 1)],
                             block_size=128, heads=4, kv_heads=1),
     "chunk-mid-block": dict(requests=[(37, 29), (0, 45), (70, 3)], block_size=16),
-    # 40 blocks: the prefill scorer merges two full groups of 16 (8 of 4 at k = 3) and a partial one
+    # 40 blocks, scored in two block splits of 20: a full group of 16 and a partial one each (k = 3: five of 4)
     "prefill-many-blocks": dict(requests=[(600, 40), (0, 90)], block_size=16),
     "speculative-edge": dict(requests=[(13, 4), (46, 4), (-4, 4), (-2, 4)], block_size=16, decode_query_len=4),
     "decode-many-blocks": dict(requests=[(300, 1), (77, 1), (-1, 1)], block_size=16, decode_query_len=1),
