@@ -354,6 +354,36 @@ def test_index_prefill_never_scores_keys_after_the_row(target, ctx):
     assert picked == [ctx + r >= 101 for r in range(new)]
 
 
+@pytest.mark.parametrize("decode", [False, True])
+def test_index_block_with_a_nan_key_ranks_lowest(target, decode):
+    """A NaN dot makes its block's score NaN (the max of a set holding NaN, as torch's amax in the reference), and
+    NaN ranks lowest (spec 5): block 6, whose keys score 1000 but for one NaN, loses to blocks 2-5 (12-15)."""
+    device, dtype = device_of(target), act_dtype(target)
+    bs, ctx, new, dim = 16, 120, 4, 128
+    seq = ctx + new
+    pages = -(-seq // bs)
+    keys = torch.zeros(pages * bs, dim)
+    keys[:96, 0] = 10.0 + torch.arange(96) // bs  # blocks 0-5 score 10-15: no ties
+    keys[96:112, 0] = 1000.0
+    keys[100, 5] = float("nan")
+    index_cache = keys.view(pages, bs, dim).to(dtype).to(device)
+    index_q = torch.zeros(new, 1, dim, dtype=dtype, device=device)
+    index_q[:, 0, 0] = 1.0
+    i32 = dict(dtype=torch.int32, device=device)
+    table = torch.arange(pages, **i32)[None]
+    sel = dict(topk=4, local_blocks=0, init_blocks=0)
+    got = []
+    for impl in (m3sparse, reference):
+        if decode:
+            ids = impl.index_topk_decode(index_q, index_cache, table, torch.tensor([seq], **i32), new, **sel)
+        else:
+            ids = impl.index_topk_prefill(index_q, index_cache, table, torch.tensor([0, new], **i32),
+                                          torch.tensor([seq], **i32), torch.tensor([ctx], **i32), new, **sel)
+        got.append(sorted(map(sorted, ids[0].tolist())))
+    assert got[0] == got[1]
+    assert not any(6 in row for row in got[0])
+
+
 @pytest.mark.parametrize("block_m, splits, topk", [(16, 4, 5), (64, 2, 5), (32, 1, 5), (128, 2, 5), (64, 4, 1)])
 def test_index_prefill_tilings_and_block_splits(target, block_m, splits, topk):
     """The prefill index kernel at other row tilings, its blocks split over programs (merged candidates; k = 1

@@ -52,6 +52,13 @@ DECODE_SCORE_STAGES = 3  # 5 (a third key buffer, one program less per SM) is sl
 
 
 @triton.jit
+def _max_propagating_nan(a, b):
+    """A block holding a NaN score scores NaN (as torch's amax: the reference), which then ranks lowest; the
+    default max would skip the NaN and rank the block by its other keys."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _score_block(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, kb, pos, j, d, BS: tl.constexpr,
                  DOT_F32: tl.constexpr, CAUSAL: tl.constexpr = True):
     """[M] fp32 max of q . k over block kb's keys at positions <= pos (CAUSAL=False: the caller knows every key
@@ -66,7 +73,7 @@ def _score_block(q, ik_ptr, ik_sp, ik_ss, bt_row_ptr, num_pages, kb, pos, j, d, 
         s = tl.dot(q, tl.trans(k.to(q.dtype)))
     if CAUSAL:
         s = tl.where(j[None, :] <= (pos - kb * BS)[:, None], s, float("-inf"))
-    return tl.max(s, axis=1)
+    return tl.reduce(s, 1, _max_propagating_nan)
 
 
 @triton.jit
