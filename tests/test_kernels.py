@@ -379,7 +379,7 @@ def test_index_block_with_a_nan_key_ranks_lowest(target, decode):
         else:
             ids = impl.index_topk_prefill(index_q, index_cache, table, torch.tensor([0, new], **i32),
                                           torch.tensor([seq], **i32), torch.tensor([ctx], **i32), new, **sel)
-        got.append(sorted(map(sorted, ids[0].tolist())))
+        got.append([sorted(row) for row in ids[0].tolist()])
     assert got[0] == got[1]
     assert not any(6 in row for row in got[0])
 
