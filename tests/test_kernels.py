@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+import triton
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -488,6 +489,36 @@ def test_tile_kernel_at_tiny_and_large_softmax_scales(target, scale):
     ref = batch.attn_prefill(ids, impl=reference, scale=scale)
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
     assert rel_err(out, ref) <= attn_tol(target, torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, heads, kv_heads, max_union, scale", [
+    (torch.bfloat16, 16, 1, 10**6, 128 ** -0.5), (torch.float16, 16, 1, 10**6, 128 ** -0.5),
+    (torch.bfloat16, 64, 4, 10**6, 128 ** -0.5), (torch.float16, 8, 1, 10**6, 128 ** -0.5),
+    (torch.bfloat16, 16, 1, 12, 128 ** -0.5), (torch.bfloat16, 16, 1, 10**6, 4.0),
+    (torch.float16, 16, 1, 10**6, 1e-3)])
+def test_hopper_tile_attention_matches_reference(dtype, heads, kv_heads, max_union, scale, monkeypatch):
+    """The Gluon tile attention (16-bit queries and cache of one dtype, sm_90): chunks on cached prefixes, tiles
+    across block edges, NaN in every unwritten cache slot, all tiles or a mix with the per-row kernel; the test
+    fails if another kernel computed the tiles."""
+    if not (torch.cuda.get_device_capability() == (9, 0) and triton.__version__.startswith("3.6.")):
+        pytest.skip("the Gluon tile attention runs on sm_90 with Triton 3.6")
+    from m3sparse.kernels import sparse_attn_tiles_gluon
+    from m3sparse.kernels.sparse_attn import sparse_attn_prefill
+    calls = []
+    launch_hopper = sparse_attn_tiles_gluon.sparse_attn_tiles_hopper
+    monkeypatch.setattr(sparse_attn_tiles_gluon, "sparse_attn_tiles_hopper",
+                        lambda *a: (calls.append(a[4]), launch_hopper(*a))[1])
+    batch = make_batch(requests=[(9000, 700), (0, 2100), (3000, 5), (127, 130)], heads=heads, kv_heads=kv_heads,
+                       block_size=128, q_dtype=dtype, kv_dtype=dtype, index_dtype=torch.bfloat16,
+                       seed=heads + max_union % 7, device="cuda")
+    ids = batch.index_prefill(impl=reference)
+    out = torch.full_like(batch.q, float("nan"))
+    sparse_attn_prefill(batch.q, batch.kv_cache, ids, batch.block_table, **batch.prefill_meta(), scale=scale,
+                        out=out, k_scale=None, v_scale=None, max_union=max_union)
+    assert calls, "the Gluon tile attention did not run"
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    assert rel_err(out, batch.attn_prefill(ids, impl=reference, scale=scale)) <= attn_tol("cuda", dtype)
 
 
 # --------------------------------------------------------------------------------------- attention

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .._validation import FP8_DTYPES
-from .common import H200_SMS, cdiv, dot_in_fp32, ids_pad, next_pow2, scale_args
+from .common import H200_SMS, cdiv, dot_in_fp32, ids_pad, interpreting, next_pow2, scale_args
 from .dependent_launch import chained_launch, dependent_launch_works, wait_for_producer
 from .launch import launch, launch_each
 from .online_softmax import attend_keys, store_rows
@@ -258,11 +258,11 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     cu, ctx = prefill if prefill is not None else (decode[0], decode[0])
     seq_lens, dql = decode if decode is not None else (cu, 0)
     # One allocation for the union scratch [tiles, Hkv, splits, 3, tq * k_pad] and, for a union launch apart (prefill),
-    # the union sizes [3, tiles, Hkv] and the row marks [T, Hkv] (int8): each allocation is host time before the
+    # the union sizes and tile rows [6, tiles, Hkv] and the row marks [T, Hkv] (int8): each allocation is host time before the
     # first kernel of an eager prefill.
     apart = prefill is not None
     union_size = tiles * kv_heads * splits * 3 * tq * topk_pad
-    sizes_words = 3 * tiles * kv_heads if apart else 0
+    sizes_words = 6 * tiles * kv_heads if apart else 0
     marks_words = cdiv(num_tokens * kv_heads, 8) if apart else 0
     union = torch.empty(union_size + sizes_words + marks_words, dtype=torch.int64, device=q.device)
     counts = union[union_size:union_size + sizes_words]
@@ -279,9 +279,25 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
                                               num_warps=TILE_WARPS, num_stages=1 if dot_f32 else TILE_STAGES))
     union_only = ((tiles, kv_heads, 1), dict(consts, BUILD_UNION=True, ATTEND=False, num_warps=UNION_WARPS,
                                              num_stages=1))
-    launch_each(_sparse_attn_tiles_kernel, args, (union_only, attend) if apart else (attend,))
+    hopper = _hopper_tiles(q, kv_cache, tq, sc) if apart else None
+    if hopper is None:
+        launch_each(_sparse_attn_tiles_kernel, args, (union_only, attend) if apart else (attend,))
+    else:
+        launch_each(_sparse_attn_tiles_kernel, args, (union_only,))
+        hopper(q, kv_cache, union, counts, tiles, tq, tq * topk_pad, max_union, sc.k_mult, sc.v_val, out)
     _merge_split_partials(m, l, acc, out, splits, False)
     return marks
+
+
+def _hopper_tiles(q, kv_cache, tq, sc):
+    """The Gluon launcher of the prefill tile attention (``sparse_attn_tiles_gluon``) when it fits this launch,
+    else None. Gluon is imported on first use, on the Triton release the kernel was written and verified for."""
+    if not q.is_cuda or interpreting() or not triton.__version__.startswith("3.6."):
+        return None
+    from . import sparse_attn_tiles_gluon as gluon_tiles
+    if not gluon_tiles.gluon_tiles_fit(q, kv_cache, tq, sc.k_mode, sc.v_mode):
+        return None
+    return gluon_tiles.sparse_attn_tiles_hopper
 
 
 def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,

@@ -184,7 +184,8 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
     """One program per (query tile, KV head, split): write the tile's block union (union_ptr: per-program
     scratch [tiles, Hkv, SPLITS, 3, N]), then attend over the split's share of the union if it has at most
     MAX_UNION blocks. BUILD_UNION alone (prefill): only the union (split 0's scratch), its (size, n_all, n_full)
-    (count_ptr [3, tiles, Hkv], int64) and a mark on the rows of tiles the attention will compute (row_ptr
+    and the tile's (first row, rows, position of the first row) (count_ptr [6, tiles, Hkv], int64; size -1 on the
+    grid's tail) and a mark on the rows of tiles the attention will compute (row_ptr
     [T, Hkv], int8: the per-row kernel computes the others); ATTEND alone: only the attention, over what such a
     launch wrote. Decode: tile b is request b's DQL rows (positions seq_lens[b] - DQL ...); with SPLITS > 1 the
     partials go to m/l/acc_ptr [T, SPLITS, H(, D)]."""
@@ -196,7 +197,11 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
         b = i
     else:
         b, first_tile = locate_prefill(i, cu_ptr, BATCH, TQ, True)
-    if b < BATCH:  # the prefill grid's tail has no tile
+    if b >= BATCH:  # the prefill grid's tail has no tile
+        if BUILD_UNION:
+            if not ATTEND:
+                tl.store(count_ptr + i * HKV + g, -1)
+    else:
         if IS_DECODE:
             row0 = b * DQL
             nrows = DQL
@@ -221,6 +226,10 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
                 tl.store(count_ptr + tile_id, count)
                 tl.store(count_ptr + num_tiles + tile_id, n_all)
                 tl.store(count_ptr + 2 * num_tiles + tile_id, n_full)
+                # The tile's rows, for an attention launch that does not locate them (sparse_attn_tiles_gluon).
+                tl.store(count_ptr + 3 * num_tiles + tile_id, row0)
+                tl.store(count_ptr + 4 * num_tiles + tile_id, nrows)
+                tl.store(count_ptr + 5 * num_tiles + tile_id, first)
                 rr = tl.arange(0, TQ)
                 mark = tl.zeros([TQ], tl.int8) + (count <= MAX_UNION).to(tl.int8)
                 tl.store(row_ptr + (row0 + rr) * HKV + g, mark, mask=rr < nrows)

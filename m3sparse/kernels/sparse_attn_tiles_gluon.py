@@ -1,0 +1,207 @@
+"""Prefill tile attention for Hopper in Gluon: the attention launch of ``sparse_attn_tiles`` for 16-bit caches.
+
+Same work and result as ``_sparse_attn_tiles_kernel``'s attention launch (one program per (query tile, KV head),
+walking the union the union launch built, M = TQ x group rows), written where Triton's compiler leaves time on
+the table (docs/perf-notes.md v18):
+- the QK dot takes Q from registers (Triton keeps it in shared memory and re-reads 16 KB per 64-key chunk, the
+  shared-memory traffic the loop is bound by);
+- K / V chunks arrive by TMA, one 2D copy each (a page is one block: rows (page x Hkv + head) x block of the
+  cache seen as [rows, 2 x D]), into a ring of STAGES slots with one mbarrier each, so the loop issues no per-key
+  address arithmetic or cp.async instructions;
+- the wgmma waits are explicit: S(j) is waited for at once, PV(j) only before S(j + 1)'s softmax needs the
+  accumulator.
+Chunks of blocks chosen by only some rows mask their scores per row; chunks of blocks that are not fully visible
+(the tile's own block, blocks outside the cache) also mask causally and zero the V rows that were not loaded
+from the cache (stale slots past the sequence could hold NaN, and 0 x NaN is NaN).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# The tile shape this kernel is written for (M = TQ x group = 64 rows: one warpgroup), 64-key chunks of 128-key
+# blocks, three slots in the ring (a slot is refilled one chunk after it is read: two chunks in flight).
+ROWS, BLOCK_N, STAGES = 64, 64, 3
+NEG_INF = gl.constexpr(float("-inf"))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def gluon_tiles_fit(q: torch.Tensor, kv_cache: torch.Tensor, tq: int, k_mode: int, v_mode: int) -> bool:
+    """Whether this kernel runs the prefill tile attention: a Hopper (sm_90) GPU, 16-bit queries and cache of one
+    dtype, no fp8 scales, head size and block 128, a power-of-two head group with TQ x group = 64 rows, and the
+    cache contiguous (the TMA view)."""
+    _, heads, dim = q.shape
+    _, kv_heads, bs, width = kv_cache.shape
+    group = heads // kv_heads
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and kv_cache.dtype == q.dtype
+            and k_mode == 0 and v_mode == 0 and dim == 128 and bs == 128 and width == 2 * dim
+            and group & (group - 1) == 0 and tq * group == ROWS and kv_cache.is_contiguous()
+            and _is_hopper(q.device.index))
+
+
+@gluon.jit
+def _issue_chunk(kv_desc, bars, k_smem, v_smem, entries, chunk, n_chunks, g, HKV, N: gl.constexpr,
+                 SUB: gl.constexpr, BS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """TMA copies of chunk ``chunk``'s K and V into slot chunk % STAGES, if it is one of the n_chunks; a chunk
+    whose block is outside the cache (page -1) only arrives on the slot's barrier (its keys are masked)."""
+    slot = chunk % STAGES
+    live = chunk < n_chunks
+    page = gl.load(entries + N + gl.minimum(chunk // SUB, N - 1), mask=live, other=-1).to(gl.int32)
+    have = live & (page >= 0)
+    row = (page * HKV + g) * BS + (chunk % SUB) * BLOCK_N
+    bar = bars.index(slot)
+    mbarrier.expect(bar, 2 * kv_desc.block_type.nbytes, pred=have)
+    tma.async_copy_global_to_shared(kv_desc, [row, 0], bar, k_smem.index(slot), pred=have)
+    tma.async_copy_global_to_shared(kv_desc, [row, D], bar, v_smem.index(slot), pred=have)
+    mbarrier.arrive(bar, pred=live & (page < 0))
+
+
+@gluon.jit
+def _fold_chunk(j, s_regs, q, k_smem, v_smem, bars, kv_desc, entries, n_chunks, n_all, n_full, g, HKV, k_mult,
+                m_i, l_i, acc, r, pos, last_pos, jn, v_rows, N: gl.constexpr, SUB: gl.constexpr, BS: gl.constexpr,
+                BLOCK_N: gl.constexpr, D: gl.constexpr, G: gl.constexpr, STAGES: gl.constexpr,
+                p_op: gl.constexpr, rows_o: gl.constexpr, v_ld: gl.constexpr):
+    """Fold chunk j of the union into (m_i, l_i, acc); s_regs: registers for its scores (an S already
+    consumed). Returns (the scores' registers, m_i, l_i, acc with PV(j) in flight)."""
+    slot = j % STAGES
+    mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
+    s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_regs, use_acc=False, is_async=True)
+    # Waits for PV(j - 1) too: its slot is refilled below, and ptxas serialises every wgmma when a wait leaves an
+    # older group in flight across the loop (docs/perf-notes.md v18).
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    u = j // SUB
+    if u >= n_all:
+        # A block some rows of the tile did not choose: its keys count for the rows that did.
+        chose = gl.load(entries + 2 * N + u)
+        seen = (((chose >> (r // G).to(gl.int64)) & 1) != 0)[:, None] & (jn >= 0)[None, :]
+        if u >= n_full:
+            # Not fully visible: keys after a row are masked, and so is a block outside the cache.
+            blk = gl.load(entries + u).to(gl.int32)
+            page = gl.load(entries + N + u)
+            key_pos = blk * BS + (j % SUB) * BLOCK_N + jn
+            seen = seen & (key_pos[None, :] <= pos[:, None]) & (page >= 0)
+            # V rows not loaded from the cache (after the tile's last row, or no page) must be zeros, not stale
+            # values: their weights are 0, and 0 x NaN would still be NaN.
+            v_pos = blk * BS + (j % SUB) * BLOCK_N + v_rows
+            v = v_smem.index(slot).load(v_ld)
+            v_smem.index(slot).store(gl.where(((v_pos <= last_pos) & (page >= 0))[:, None], v, 0.0))
+            fence_async_shared()
+            gl.thread_barrier()
+        s = gl.where(seen, s, NEG_INF)
+    # The scale (> 0) applies to the row max once and to each score inside its exponent's FMA.
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * k_mult)
+    m_ref = gl.where(m_new > NEG_INF, m_new, 0.0)  # no key seen yet: keep exp2() finite
+    alpha = gl.exp2(m_i - m_ref)
+    p = gl.exp2(s * k_mult - m_ref[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    p = gl.convert_layout(p.to(q.dtype), p_op)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+    acc = warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
+    # Slot (j - 1) % STAGES: chunk j - 1's QK and PV are done (waited above).
+    _issue_chunk(kv_desc, bars, k_smem, v_smem, entries, j + STAGES - 1, n_chunks, g, HKV, N, SUB, BS, BLOCK_N, D,
+                 STAGES)
+    return s, m_new, l_i, acc
+
+
+@gluon.jit
+def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count_ptr, HKV, MAX_UNION, scale,
+                                    v_factor, o_ptr, o_st, o_sh, G: gl.constexpr, TQ: gl.constexpr,
+                                    BS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, N: gl.constexpr,
+                                    STAGES: gl.constexpr):
+    """One program per (query tile, KV head): attention of the tile's M = TQ x G rows over the union the union
+    launch wrote (union_ptr: [tiles, Hkv, 1, 3, N]; count_ptr: [6, tiles, Hkv] int64 = union size (-1: no
+    tile), n_all, n_full, first row, rows, position of the first row), if it has at most MAX_UNION blocks."""
+    M: gl.constexpr = TQ * G
+    SUB: gl.constexpr = BS // BLOCK_N
+    i = gl.program_id(0)
+    g = gl.program_id(1)
+    tile_id = i * HKV + g
+    num_tiles = gl.num_programs(0) * HKV
+    count = gl.load(count_ptr + tile_id).to(gl.int32)
+    if (count >= 0) & (count <= MAX_UNION):
+        n_all = gl.load(count_ptr + num_tiles + tile_id).to(gl.int32)
+        n_full = gl.load(count_ptr + 2 * num_tiles + tile_id).to(gl.int32)
+        row0 = gl.load(count_ptr + 3 * num_tiles + tile_id).to(gl.int32)
+        nrows = gl.load(count_ptr + 4 * num_tiles + tile_id).to(gl.int32)
+        first = gl.load(count_ptr + 5 * num_tiles + tile_id).to(gl.int32)
+        entries = union_ptr + tile_id * 3 * N
+        last_pos = first + gl.minimum(nrows, TQ) - 1
+
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])
+        q_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+        k_smem = gl.allocate_shared_memory(kv_desc.dtype, [STAGES, BLOCK_N, D], kv_desc.layout)
+        v_smem = gl.allocate_shared_memory(kv_desc.dtype, [STAGES, BLOCK_N, D], kv_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(STAGES):
+            mbarrier.init(bars.index(b), count=1)
+        # The barriers' initialisation visible to the async proxy (TMA completes on them) before any copy.
+        fence_async_shared()
+        gl.thread_barrier()
+        n_chunks = count * SUB
+        for b in gl.static_range(STAGES - 1):
+            _issue_chunk(kv_desc, bars, k_smem, v_smem, entries, b, n_chunks, g, HKV, N, SUB, BS, BLOCK_N, D,
+                         STAGES)
+
+        rl = gl.arange(0, M, layout=gl.SliceLayout(1, ld))
+        dl = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+        q = gl.load(q_ptr + (row0 + rl // G)[:, None] * q_st + (g * G + rl % G)[:, None] * q_sh + dl[None, :],
+                    mask=((rl // G) < nrows)[:, None], other=0.0)
+        q = gl.convert_layout(q, q_op)
+
+        r = gl.arange(0, M, layout=rows_s)
+        pos = first + r // G
+        jn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        v_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
+        k_mult = scale * 1.4426950408889634  # log2(e): the softmax runs on exp2
+        m_i = gl.full([M], NEG_INF, gl.float32, rows_s)
+        l_i = gl.full([M], 0.0, gl.float32, rows_s)
+        acc = warpgroup_mma_init(gl.zeros([M, D], gl.float32, o_layout))
+        s_regs = gl.zeros([M, BLOCK_N], gl.float32, s_layout)
+        for j in range(n_chunks):
+            s_regs, m_i, l_i, acc = _fold_chunk(j, s_regs, q, k_smem, v_smem, bars, kv_desc, entries, n_chunks,
+                                                n_all, n_full, g, HKV, k_mult, m_i, l_i, acc, r, pos, last_pos, jn,
+                                                v_rows, N, SUB, BS, BLOCK_N, D, G, STAGES, p_op, rows_o, ld)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        for b in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(b))
+        ro = gl.arange(0, M, layout=rows_o)
+        do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        l_o = gl.convert_layout(l_i, rows_o)
+        o = acc * (v_factor / gl.where(l_o > 0, l_o, 1.0))[:, None]
+        gl.store(o_ptr + (row0 + ro // G)[:, None] * o_st + (g * G + ro % G)[:, None] * o_sh + do[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=((ro // G) < nrows)[:, None])
+
+
+def sparse_attn_tiles_hopper(q, kv_cache, union, counts, tiles, tq, n, max_union, scale, v_factor, out):
+    """Launch over the ``tiles`` x Hkv unions of a prefill batch, each of n = tq x k_pad entries (``_tile_attn``'s
+    union launch wrote them and ``counts``)."""
+    pages, kv_heads, bs, width = kv_cache.shape
+    dim = width // 2
+    rows = kv_cache.view(pages * kv_heads * bs, width)
+    el = gl.bfloat16 if kv_cache.dtype == torch.bfloat16 else gl.float16
+    desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [BLOCK_N, dim],
+                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, dim], el))
+    sparse_attn_tiles_hopper_kernel[(tiles, kv_heads)](
+        q, q.stride(0), q.stride(1), desc, union, counts, kv_heads, max_union, scale, v_factor, out, out.stride(0),
+        out.stride(1), G=q.shape[1] // kv_heads, TQ=tq, BS=bs, BLOCK_N=BLOCK_N, D=dim, N=n, STAGES=STAGES,
+        num_warps=4)
