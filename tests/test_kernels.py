@@ -454,6 +454,43 @@ def test_locate_prefill_rows_and_tiles(target, lens, tq, padding):
     assert [tuple(map(int, x)) for x in got] == expected
 
 
+def test_union_launch_records_each_tile(target, monkeypatch):
+    """The prefill union launch's per-tile record [6, tiles, Hkv]: union size (distinct valid ids of the tile's
+    rows), n_all <= n_full <= size, and the tile's first row, rows left in its request and first position, which
+    the Gluon attention launch reads instead of locating its tile; -1 as the size on the grid's tail."""
+    from m3sparse.kernels import sparse_attn
+    spec = dict(requests=[(37, 29), (0, 45), (70, 3)], heads=4, kv_heads=2, block_size=16)
+    if target == "cuda":
+        spec = dict(requests=[(3000, 301), (0, 130), (127, 5)], heads=16, kv_heads=1, block_size=128)
+    batch = make_batch(**spec, q_dtype=act_dtype(target), kv_dtype=torch.float16, seed=11, device=device_of(target))
+    ids = batch.index_prefill(impl=reference, topk=4)
+    launches = []
+    launch_each = sparse_attn.launch_each
+    monkeypatch.setattr(sparse_attn, "launch_each", lambda k, a, ls: (launches.append((a, ls)), launch_each(k, a, ls)))
+    sparse_attn.sparse_attn_prefill(batch.q, batch.kv_cache, ids, batch.block_table, **batch.prefill_meta(),
+                                    scale=128 ** -0.5, out=torch.empty_like(batch.q), k_scale=batch.k_scale,
+                                    v_scale=batch.v_scale, max_union=10**6)
+    args, ls = launches[-1]
+    tiles, kv_heads = ls[0][0][0], ls[0][0][1]
+    tq = ls[0][1]["TQ"]
+    record = args[16][:6 * tiles * kv_heads].view(6, tiles, kv_heads).cpu()
+    bs, width = batch.block_size, batch.block_table.shape[1]
+    i = row0 = 0
+    for req in batch.requests:
+        for before in range(0, req.query_len, tq):
+            rows = range(row0 + before, row0 + min(before + tq, req.query_len))
+            for g in range(kv_heads):
+                chosen = {int(x) for t in rows for x in ids[g, t].tolist()
+                          if 0 <= x <= batch.rows[t][1] // bs and x < width}
+                size, n_all, n_full, first_row, left, first_pos = record[:, i, g].tolist()
+                assert (size, first_row, left, first_pos) == (len(chosen), row0 + before, req.query_len - before,
+                                                              req.context_len + before)
+                assert 0 <= n_all <= n_full <= size
+            i += 1
+        row0 += req.query_len
+    assert i < tiles and (record[0, i:] == -1).all()
+
+
 @pytest.mark.parametrize("max_union", [0, 12, 10**6])
 def test_prefill_attention_tile_and_row_paths(target, max_union):
     """Every tile through the per-row kernel (0), a mix (12), every tile through the tile kernel."""
