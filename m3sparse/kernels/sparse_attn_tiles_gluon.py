@@ -41,14 +41,14 @@ def _is_hopper(device_index: int) -> bool:
 def gluon_tiles_fit(q: torch.Tensor, kv_cache: torch.Tensor, tq: int, k_mode: int, v_mode: int) -> bool:
     """Whether this kernel runs the prefill tile attention: a Hopper (sm_90) GPU, 16-bit queries and cache of one
     dtype, no fp8 scales, head size and block 128, a power-of-two head group with TQ x group = 64 rows, and the
-    cache contiguous (the TMA view)."""
+    cache contiguous and 16-byte aligned (a TMA view of it)."""
     _, heads, dim = q.shape
     _, kv_heads, bs, width = kv_cache.shape
     group = heads // kv_heads
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and kv_cache.dtype == q.dtype
             and k_mode == 0 and v_mode == 0 and dim == 128 and bs == 128 and width == 2 * dim
             and group & (group - 1) == 0 and tq * group == ROWS and kv_cache.is_contiguous()
-            and _is_hopper(q.device.index))
+            and kv_cache.data_ptr() % 16 == 0 and _is_hopper(q.device.index))
 
 
 @gluon.jit
