@@ -258,8 +258,8 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     cu, ctx = prefill if prefill is not None else (decode[0], decode[0])
     seq_lens, dql = decode if decode is not None else (cu, 0)
     # One allocation for the union scratch [tiles, Hkv, splits, 3, tq * k_pad] and, for a union launch apart (prefill),
-    # the union sizes and tile rows [6, tiles, Hkv] and the row marks [T, Hkv] (int8): each allocation is host time before the
-    # first kernel of an eager prefill.
+    # the union sizes and tile rows [6, tiles, Hkv] and the row marks [T, Hkv] (int8): each allocation is host time
+    # before the first kernel of an eager prefill.
     apart = prefill is not None
     union_size = tiles * kv_heads * splits * 3 * tq * topk_pad
     sizes_words = 6 * tiles * kv_heads if apart else 0
