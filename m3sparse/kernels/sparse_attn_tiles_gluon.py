@@ -8,8 +8,8 @@ the table (docs/perf-notes.md v18):
 - K / V chunks arrive by TMA, one 2D copy each (a page is one block: rows (page x Hkv + head) x block of the
   cache seen as [rows, 2 x D]), into a ring of STAGES slots with one mbarrier each, so the loop issues no per-key
   address arithmetic or cp.async instructions;
-- the wgmma waits are explicit: S(j) is waited for at once, PV(j) only before S(j + 1)'s softmax needs the
-  accumulator.
+- the wgmma waits are explicit: PV(j) runs on while the next chunk's K / V are waited for and its QK is issued,
+  and is waited for together with that QK.
 Chunks of blocks chosen by only some rows mask their scores per row; chunks of blocks that are not fully visible
 (the tile's own block, blocks outside the cache) also mask causally and zero the V rows that were not loaded
 from the cache (stale slots past the sequence could hold NaN, and 0 x NaN is NaN).
@@ -35,6 +35,7 @@ NEG_INF = gl.constexpr(float("-inf"))
 
 @functools.lru_cache(maxsize=None)
 def _is_hopper(device_index: int) -> bool:
+    """Whether the device is sm_90 (asked once per device: the query costs host time on every call)."""
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
@@ -108,7 +109,7 @@ def _fold_chunk(j, s_regs, q, k_smem, v_smem, bars, kv_desc, entries, n_chunks, 
     p = gl.exp2(s * k_mult - m_ref[:, None])
     l_i = l_i * alpha + gl.sum(p, axis=1)
     p = gl.convert_layout(p.to(q.dtype), p_op)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # done already (above): the token back to a tensor
     acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
     acc = warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
     # Slot (j - 1) % STAGES: chunk j - 1's QK and PV are done (waited above).
