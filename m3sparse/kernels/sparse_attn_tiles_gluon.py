@@ -196,9 +196,9 @@ def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count
 
 
 @functools.lru_cache(maxsize=None)
-def _smem_layout(dtype: torch.dtype):
-    """The shared-memory layout of a [BLOCK_N, 128] chunk (computed once: ~6 µs of host time per call)."""
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], gl.bfloat16 if dtype == torch.bfloat16
+def _smem_layout(dtype: torch.dtype, dim: int):
+    """The shared-memory layout of a [BLOCK_N, dim] chunk (computed once: ~6 µs of host time per call)."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_N, dim], gl.bfloat16 if dtype == torch.bfloat16
                                                 else gl.float16)
 
 
@@ -208,7 +208,7 @@ def sparse_attn_tiles_hopper(q, kv_cache, union, counts, tiles, tq, n, max_union
     pages, kv_heads, bs, width = kv_cache.shape
     dim = width // 2
     rows = kv_cache.view(pages * kv_heads * bs, width)
-    desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [BLOCK_N, dim], _smem_layout(rows.dtype))
+    desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [BLOCK_N, dim], _smem_layout(rows.dtype, dim))
     # The descriptor's dtype is q's (checked by gluon_tiles_fit), which is part of launch()'s specialization key.
     launch(sparse_attn_tiles_hopper_kernel, (tiles, kv_heads), q, q.stride(0), q.stride(1), desc, union, counts,
            kv_heads, max_union, scale, v_factor, out, out.stride(0), out.stride(1), G=q.shape[1] // kv_heads, TQ=tq,
