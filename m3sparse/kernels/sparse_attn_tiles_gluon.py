@@ -42,56 +42,63 @@ def _is_hopper(device_index: int) -> bool:
 def gluon_tiles_fit(q: torch.Tensor, kv_cache: torch.Tensor, tq: int, k_mode: int, v_mode: int) -> bool:
     """Whether this kernel runs the prefill tile attention: a Hopper (sm_90) GPU, 16-bit queries and cache of one
     dtype, no fp8 scales, head size and block 128, a power-of-two head group with TQ x group = 64 rows, and the
-    cache contiguous and 16-byte aligned (a TMA view of it)."""
+    cache non-empty, contiguous and 16-byte aligned (a TMA view of it)."""
     _, heads, dim = q.shape
     _, kv_heads, bs, width = kv_cache.shape
     group = heads // kv_heads
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and kv_cache.dtype == q.dtype
             and k_mode == 0 and v_mode == 0 and dim == 128 and bs == 128 and width == 2 * dim
-            and group & (group - 1) == 0 and tq * group == ROWS and kv_cache.is_contiguous()
+            and group & (group - 1) == 0 and tq * group == ROWS and kv_cache.shape[0] > 0 and kv_cache.is_contiguous()
             and kv_cache.data_ptr() % 16 == 0 and _is_hopper(q.device.index))
 
 
 @gluon.jit
-def _issue_chunk(kv_desc, bars, k_smem, v_smem, entries, chunk, n_chunks, g, HKV, N: gl.constexpr,
-                 SUB: gl.constexpr, BS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                 STAGES: gl.constexpr):
-    """TMA copies of chunk ``chunk``'s K and V into slot chunk % STAGES, if it is one of the n_chunks; a chunk
-    whose block is outside the cache (page -1) only arrives on the slot's barrier (its keys are masked)."""
-    slot = chunk % STAGES
-    live = chunk < n_chunks
-    page = gl.load(entries + N + gl.minimum(chunk // SUB, N - 1), mask=live, other=-1).to(gl.int32)
-    have = live & (page >= 0)
-    row = (page * HKV + g) * BS + (chunk % SUB) * BLOCK_N
-    bar = bars.index(slot)
-    mbarrier.expect(bar, 2 * kv_desc.block_type.nbytes, pred=have)
-    tma.async_copy_global_to_shared(kv_desc, [row, 0], bar, k_smem.index(slot), pred=have)
-    tma.async_copy_global_to_shared(kv_desc, [row, D], bar, v_smem.index(slot), pred=have)
-    mbarrier.arrive(bar, pred=live & (page < 0))
+def _chunk_page(entries, chunk, n_chunks, N: gl.constexpr, SUB: gl.constexpr):
+    """The page of chunk ``chunk``'s block (-1 past the n_chunks)."""
+    return gl.load(entries + N + gl.minimum(chunk // SUB, N - 1), mask=chunk < n_chunks, other=-1).to(gl.int32)
 
 
 @gluon.jit
-def _fold_chunk(j, s_regs, q, k_smem, v_smem, bars, kv_desc, entries, n_chunks, n_all, n_full, g, HKV, k_mult,
-                m_i, l_i, acc, r, pos, last_pos, jn, v_rows, N: gl.constexpr, SUB: gl.constexpr, BS: gl.constexpr,
-                BLOCK_N: gl.constexpr, D: gl.constexpr, G: gl.constexpr, STAGES: gl.constexpr,
+def _issue_chunk(kv_desc, bars, k_smem, v_smem, page, chunk, n_chunks, g, HKV, SUB: gl.constexpr,
+                 BS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+    """TMA copies of chunk ``chunk``'s K and V (its page read a chunk earlier) into slot chunk % STAGES, if it is
+    one of the n_chunks. A chunk whose block is outside the cache (page -1) copies page 0 instead (its keys are
+    masked and its V rows zeroed): one barrier operation per chunk fewer than arriving without a copy, each of
+    which costs a barrier of the warpgroup (docs/perf-notes.md v19)."""
+    slot = chunk % STAGES
+    live = chunk < n_chunks
+    row = (gl.maximum(page, 0) * HKV + g) * BS + (chunk % SUB) * BLOCK_N
+    bar = bars.index(slot)
+    mbarrier.expect(bar, 2 * kv_desc.block_type.nbytes, pred=live)
+    tma.async_copy_global_to_shared(kv_desc, [row, 0], bar, k_smem.index(slot), pred=live)
+    tma.async_copy_global_to_shared(kv_desc, [row, D], bar, v_smem.index(slot), pred=live)
+
+
+@gluon.jit
+def _fold_chunk(j, s_regs, next_page, q, k_smem, v_smem, bars, kv_desc, entries, n_chunks, n_all, n_full, g, HKV,
+                k_mult, m_i, l_i, acc, r, pos, last_pos, jn, v_rows, N: gl.constexpr, SUB: gl.constexpr,
+                BS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, G: gl.constexpr, STAGES: gl.constexpr,
                 p_op: gl.constexpr, rows_o: gl.constexpr, v_ld: gl.constexpr):
     """Fold chunk j of the union into (m_i, l_i, acc); s_regs: registers for its scores (an S already
-    consumed). Returns (the scores' registers, m_i, l_i, acc with PV(j) in flight)."""
+    consumed); next_page: the page of chunk j + STAGES - 1. Returns (the scores' registers, the page of chunk
+    j + STAGES, m_i, l_i, acc with PV(j) in flight)."""
     slot = j % STAGES
+    u = j // SUB
+    # The block's union entries for the masks, read before the waits below so that their latency hides there.
+    partial = u >= n_all
+    chose = gl.load(entries + 2 * N + u, mask=partial, other=0)
+    blk = gl.load(entries + u, mask=partial, other=0).to(gl.int32)
+    page = gl.load(entries + N + u, mask=partial, other=0)
     mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
     s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_regs, use_acc=False, is_async=True)
     # Waits for PV(j - 1) too: its slot is refilled below, and ptxas serialises every wgmma when a wait leaves an
     # older group in flight across the loop (docs/perf-notes.md v18).
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    u = j // SUB
-    if u >= n_all:
+    if partial:
         # A block some rows of the tile did not choose: its keys count for the rows that did.
-        chose = gl.load(entries + 2 * N + u)
         seen = (((chose >> (r // G).to(gl.int64)) & 1) != 0)[:, None] & (jn >= 0)[None, :]
         if u >= n_full:
             # Not fully visible: keys after a row are masked, and so is a block outside the cache.
-            blk = gl.load(entries + u).to(gl.int32)
-            page = gl.load(entries + N + u)
             key_pos = blk * BS + (j % SUB) * BLOCK_N + jn
             seen = seen & (key_pos[None, :] <= pos[:, None]) & (page >= 0)
             # V rows not loaded from the cache (after the tile's last row, or no page) must be zeros, not stale
@@ -112,10 +119,11 @@ def _fold_chunk(j, s_regs, q, k_smem, v_smem, bars, kv_desc, entries, n_chunks, 
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # done already (above): the token back to a tensor
     acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
     acc = warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
-    # Slot (j - 1) % STAGES: chunk j - 1's QK and PV are done (waited above).
-    _issue_chunk(kv_desc, bars, k_smem, v_smem, entries, j + STAGES - 1, n_chunks, g, HKV, N, SUB, BS, BLOCK_N, D,
+    # Slot (j - 1) % STAGES: chunk j - 1's QK and PV are done (waited above). Its page was read a chunk ago, so
+    # the copies do not wait for that load.
+    _issue_chunk(kv_desc, bars, k_smem, v_smem, next_page, j + STAGES - 1, n_chunks, g, HKV, SUB, BS, BLOCK_N, D,
                  STAGES)
-    return s, m_new, l_i, acc
+    return s, _chunk_page(entries, j + STAGES, n_chunks, N, SUB), m_new, l_i, acc
 
 
 @gluon.jit
@@ -162,8 +170,9 @@ def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count
         gl.thread_barrier()
         n_chunks = count * SUB
         for b in gl.static_range(STAGES - 1):
-            _issue_chunk(kv_desc, bars, k_smem, v_smem, entries, b, n_chunks, g, HKV, N, SUB, BS, BLOCK_N, D,
-                         STAGES)
+            _issue_chunk(kv_desc, bars, k_smem, v_smem, _chunk_page(entries, b, n_chunks, N, SUB), b, n_chunks, g,
+                         HKV, SUB, BS, BLOCK_N, D, STAGES)
+        next_page = _chunk_page(entries, STAGES - 1, n_chunks, N, SUB)
 
         rl = gl.arange(0, M, layout=gl.SliceLayout(1, ld))
         dl = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
@@ -181,9 +190,10 @@ def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count
         acc = warpgroup_mma_init(gl.zeros([M, D], gl.float32, o_layout))
         s_regs = gl.zeros([M, BLOCK_N], gl.float32, s_layout)
         for j in range(n_chunks):
-            s_regs, m_i, l_i, acc = _fold_chunk(j, s_regs, q, k_smem, v_smem, bars, kv_desc, entries, n_chunks,
-                                                n_all, n_full, g, HKV, k_mult, m_i, l_i, acc, r, pos, last_pos, jn,
-                                                v_rows, N, SUB, BS, BLOCK_N, D, G, STAGES, p_op, rows_o, ld)
+            s_regs, next_page, m_i, l_i, acc = _fold_chunk(j, s_regs, next_page, q, k_smem, v_smem, bars, kv_desc,
+                                                           entries, n_chunks, n_all, n_full, g, HKV, k_mult, m_i,
+                                                           l_i, acc, r, pos, last_pos, jn, v_rows, N, SUB, BS,
+                                                           BLOCK_N, D, G, STAGES, p_op, rows_o, ld)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         for b in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(b))
