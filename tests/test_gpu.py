@@ -45,13 +45,13 @@ def test_one_million_context_decode_reaches_block_8191():
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
 
 
-def test_dependent_launch_only_for_small_decode_steps_on_hopper():
-    from m3sparse.kernels.dependent_launch import CHAINED_MAX_ROWS, chained_launch
+def test_dependent_launch_released_early_only_for_small_decode_steps_on_hopper():
+    from m3sparse.kernels.dependent_launch import CHAINED_MAX_ROWS, PDL_EARLY, PDL_LATE, PDL_OFF, chained_launch
     hopper = torch.cuda.get_device_capability()[0] >= 9
-    assert chained_launch(torch.device("cuda"), 1) == hopper
-    assert chained_launch(torch.device("cuda"), CHAINED_MAX_ROWS) == hopper
-    assert not chained_launch(torch.device("cuda"), CHAINED_MAX_ROWS + 1)
-    assert not chained_launch(torch.device("cpu"), 1)
+    assert chained_launch(torch.device("cuda"), 1) == (PDL_EARLY if hopper else PDL_OFF)
+    assert chained_launch(torch.device("cuda"), CHAINED_MAX_ROWS) == (PDL_EARLY if hopper else PDL_OFF)
+    assert chained_launch(torch.device("cuda"), CHAINED_MAX_ROWS + 1) == (PDL_LATE if hopper else PDL_OFF)
+    assert chained_launch(torch.device("cpu"), 1) == PDL_OFF
 
 
 @pytest.mark.parametrize("batch,dql", [(6, 2), (1, 1), (3, 2), (128, 1), (130, 2)])

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .block_keys import block_of_key, packed_block_key
 from .common import H200_SMS, cdiv, dot_in_fp32, ids_pad, next_pow2
-from .dependent_launch import chained_launch, wait_for_producer
+from .dependent_launch import chained_launch, release_consumer, wait_for_producer
 from .launch import launch
 from .rows import prefill_request_rows
 
@@ -163,6 +163,7 @@ def _block_scores_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_
     else:
         _store_block_scores(q, ik_ptr, ik_sp, ik_ss, bt_row, num_pages, lo, hi, pos, j, d, out_rows, live, own, BS,
                             DOT_F32)
+    release_consumer(PDL)
 
 
 @triton.jit
@@ -196,6 +197,7 @@ def _select_topk_kernel(sc_ptr, sc_sh, sc_st, out_ptr, o_sh, o_st, o_sk, seq_ptr
     kk = tl.arange(0, K_PAD)
     tl.store(out_ptr + g * o_sh + t * o_st + kk * o_sk, tl.where(top > 0, block_of_key(top, NB_PAD), -1).to(tl.int32),
              mask=kk < TOPK)
+    release_consumer(PDL)
 
 
 @triton.jit
@@ -383,12 +385,12 @@ def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_
             kv_heads,
             BLOCK_M=block_m, HKV_PAD=hkv_pad, BS=bs, D=dim, DOT_F32=dot_in_fp32(index_q.dtype, index_cache.dtype),
             K_FP8=_fp8_keys(index_q.dtype, index_cache.dtype), PDL=pdl, num_warps=4, num_stages=DECODE_SCORE_STAGES,
-            launch_pdl=pdl)
+            launch_pdl=pdl > 0)
     k_pad = ids_pad(topk)
     nb_pad = max(16, next_pow2(width), k_pad)  # tl.topk picks k_pad of at least as many
     launch(_select_topk_kernel, (num_tokens, kv_heads),
         scores, *scores.stride()[:2], out, *out.stride(),
         seq_lens, width, decode_query_len, local_blocks, init_blocks, BS=bs, TOPK=topk, K_PAD=k_pad, NB_PAD=nb_pad,
         GROUP=max(1, nb_pad // max(SELECT_ONE_PASS_MAX_BLOCKS, k_pad)), PDL=pdl,
-        num_warps=4 if nb_pad <= SELECT_FOUR_WARPS_MAX_BLOCKS else 8, launch_pdl=pdl)
+        num_warps=4 if nb_pad <= SELECT_FOUR_WARPS_MAX_BLOCKS else 8, launch_pdl=pdl > 0)
     return out

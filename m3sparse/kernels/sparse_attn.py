@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .._validation import FP8_DTYPES
 from .common import H200_SMS, cdiv, dot_in_fp32, ids_pad, interpreting, next_pow2, scale_args
-from .dependent_launch import chained_launch, dependent_launch_works, wait_for_producer
+from .dependent_launch import PDL_EARLY, chained_launch, dependent_launch_works, release_consumer, wait_for_producer
 from .launch import launch, launch_each
 from .online_softmax import attend_keys, store_rows
 from .rows import locate_prefill
@@ -112,6 +112,7 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
                 blk, page = _slot_page(ids, valid, kk, (chunk + 1) // SUB, bt_row)
         store_rows(acc * v_mult, m_i, l_i, t, g * G + h, h < G, o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, split,
                    SPLITS, G * tl.num_programs(1), D, WRITE_OUT)
+    release_consumer(PDL)
 
 
 @triton.jit
@@ -132,6 +133,7 @@ def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, H, SPLITS: tl
     total = tl.sum(w * l, axis=0)
     o = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(o_ptr + t * o_st + h * o_sh + d, o.to(o_ptr.dtype.element_ty))
+    release_consumer(PDL)
 
 
 # Tile kernel launch: M = 64 rows (4 tokens x 16 heads), 64-key chunks, 3 stages (H200 sweep: docs/perf-notes.md)
@@ -188,10 +190,10 @@ def _row_pipeline(decode: bool, splits: int, dot_f32: bool, block_h: int, bs: in
 
 
 def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, dot_f32,
-              prefill=None, tiled=None, pdl=False):
+              prefill=None, tiled=None, pdl=0):
     """The per-row kernel. Decode: rows of decode_query_len per request of seq_lens. Prefill: ``prefill`` =
     (cu_seqlens_q, context_lens); ``tiled``: the tile kernel's row marks ([T, Hkv] int8), whose marked rows it
-    skips. ``dot_f32``: ``dot_in_fp32`` of the launch. ``pdl``: chain by dependent launch."""
+    skips. ``dot_f32``: ``dot_in_fp32`` of the launch. ``pdl``: how it chains by dependent launch (PDL_*)."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     topk = topk_ids.shape[2]
@@ -211,7 +213,7 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
         BLOCK_H=block_h, BS=bs, D=dim, TOPK=topk, TOPK_PAD=ids_pad(topk),
         K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
         WRITE_OUT=splits == 1, PDL=pdl, PAGE_AHEAD=page_ahead, BLOCK_N=block_n, num_warps=4, num_stages=stages,
-        launch_pdl=pdl)
+        launch_pdl=pdl > 0)
     _merge_split_partials(m, l, acc, out, splits, pdl)
     return out
 
@@ -231,7 +233,7 @@ def _merge_split_partials(m, l, acc, out, splits, pdl):
     if splits > 1:
         num_tokens, num_heads, dim = out.shape
         launch(_merge_splits_kernel, (num_tokens, num_heads), m, l, acc, out, *out.stride()[:2],
-               num_heads, SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim, PDL=pdl, launch_pdl=pdl)
+               num_heads, SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim, PDL=pdl, launch_pdl=pdl > 0)
 
 
 def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
@@ -285,7 +287,7 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     else:
         launch_each(_sparse_attn_tiles_kernel, args, (union_only,))
         hopper(q, kv_cache, union, counts, tiles, tq, tq * topk_pad, max_union, sc.k_mult, sc.v_val, out)
-    _merge_split_partials(m, l, acc, out, splits, False)
+    _merge_split_partials(m, l, acc, out, splits, 0)
     return marks
 
 
@@ -359,6 +361,6 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
     if splits is None:
         splits = cdiv(2 * H200_SMS, num_programs) if num_programs < SPLIT_TWO_PER_SM_BELOW \
             else max(1, H200_SMS // num_programs)
-    pdl = chained_launch(q.device, q.shape[0]) or (splits == 1 and dependent_launch_works(q.device))
+    pdl = PDL_EARLY if splits == 1 and dependent_launch_works(q.device) else chained_launch(q.device, q.shape[0])
     return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, dot_f32,
                      pdl=pdl)
