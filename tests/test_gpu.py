@@ -45,20 +45,17 @@ def test_one_million_context_decode_reaches_block_8191():
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
 
 
-def test_dependent_launch_released_early_only_for_small_decode_steps_on_hopper():
-    from m3sparse.kernels.dependent_launch import CHAINED_MAX_ROWS, PDL_EARLY, PDL_LATE, PDL_OFF, chained_launch
+def test_decode_chain_released_late_on_hopper():
+    from m3sparse.kernels.dependent_launch import PDL_LATE, PDL_OFF, chained_launch
     hopper = torch.cuda.get_device_capability()[0] >= 9
-    assert chained_launch(torch.device("cuda"), 1) == (PDL_EARLY if hopper else PDL_OFF)
-    assert chained_launch(torch.device("cuda"), CHAINED_MAX_ROWS) == (PDL_EARLY if hopper else PDL_OFF)
-    assert chained_launch(torch.device("cuda"), CHAINED_MAX_ROWS + 1) == (PDL_LATE if hopper else PDL_OFF)
-    assert chained_launch(torch.device("cpu"), 1) == PDL_OFF
+    assert chained_launch(torch.device("cuda")) == (PDL_LATE if hopper else PDL_OFF)
+    assert chained_launch(torch.device("cpu")) == PDL_OFF
 
 
 @pytest.mark.parametrize("batch,dql", [(6, 2), (1, 1), (3, 2), (128, 1), (130, 2)])
 def test_decode_pair_cuda_graph_replay_follows_new_inputs(batch, dql):
-    """Up to CHAINED_MAX_ROWS rows the kernels chain by programmatic dependent launch (on sm_90+), above
-    they launch plainly, except a one-split attention (128 rows); 130 requests x 2 rows go through the tile
-    kernel: all under capture and replay."""
+    """The kernels chain by programmatic dependent launch (on sm_90+), released late, but a one-split attention
+    (128 rows) released early; 130 requests x 2 rows go through the tile kernel: all under capture and replay."""
     ctx_max, heads = 40_000, 16
     gen = torch.Generator(device="cuda").manual_seed(1)
     kv, ic, table, q, iq = _decode_inputs(batch, ctx_max, heads=heads, dql=dql, gen=gen)

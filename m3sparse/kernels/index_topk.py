@@ -368,7 +368,7 @@ def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_
     if num_tokens == 0:
         return out
     scores = torch.empty((kv_heads, num_tokens, max(width, 1)), dtype=torch.float32, device=index_q.device)
-    pdl = chained_launch(index_q.device, num_tokens)
+    pdl = chained_launch(index_q.device)
     if batch and width:
         hkv_pad = next_pow2(kv_heads)
         block_m = max(16, next_pow2(decode_query_len * hkv_pad)) if decode_query_len * hkv_pad <= 64 \

@@ -361,6 +361,6 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
     if splits is None:
         splits = cdiv(2 * H200_SMS, num_programs) if num_programs < SPLIT_TWO_PER_SM_BELOW \
             else max(1, H200_SMS // num_programs)
-    pdl = PDL_EARLY if splits == 1 and dependent_launch_works(q.device) else chained_launch(q.device, q.shape[0])
+    pdl = PDL_EARLY if splits == 1 and dependent_launch_works(q.device) else chained_launch(q.device)
     return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, dot_f32,
                      pdl=pdl)
