@@ -277,15 +277,16 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     consts = dict(G=group, GP=next_pow2(group), TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N),
                   D=dim, TOPK=topk, TOPK_PAD=topk_pad, K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
                   IS_DECODE=decode is not None, WRITE_OUT=splits == 1)
-    attend = ((tiles, kv_heads, splits), dict(consts, BUILD_UNION=not apart, ATTEND=True,
-                                              num_warps=TILE_WARPS, num_stages=1 if dot_f32 else TILE_STAGES))
-    union_only = ((tiles, kv_heads, 1), dict(consts, BUILD_UNION=True, ATTEND=False, num_warps=UNION_WARPS,
-                                             num_stages=1))
+    # Prefill: the union launch, then the attention's (the Gluon kernel's where it fits); decode: one launch.
+    launches = [((tiles, kv_heads, 1), dict(consts, BUILD_UNION=True, ATTEND=False, num_warps=UNION_WARPS,
+                                            num_stages=1))] if apart else []
     hopper = _hopper_tiles(q, kv_cache, tq, sc) if apart else None
     if hopper is None:
-        launch_each(_sparse_attn_tiles_kernel, args, (union_only, attend) if apart else (attend,))
-    else:
-        launch_each(_sparse_attn_tiles_kernel, args, (union_only,))
+        launches.append(((tiles, kv_heads, splits), dict(consts, BUILD_UNION=not apart, ATTEND=True,
+                                                         num_warps=TILE_WARPS,
+                                                         num_stages=1 if dot_f32 else TILE_STAGES)))
+    launch_each(_sparse_attn_tiles_kernel, args, launches)
+    if hopper is not None:
         hopper(q, kv_cache, union, counts, tiles, tq, tq * topk_pad, max_union, sc.k_mult, sc.v_val, out)
     _merge_split_partials(m, l, acc, out, splits, 0)
     return marks
