@@ -1,6 +1,8 @@
 """Small helpers shared by the kernel launchers."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -12,6 +14,12 @@ def interpreting() -> bool:
     the process environment in C: ~0.2 µs against ~0.75 for ``os.environ.get`` (a CPU host), paid by every
     launch."""
     return triton.knobs.runtime.interpret
+
+
+@functools.lru_cache(maxsize=None)
+def device_capability(index: int) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability(index)``, asked once per device (the query costs host time per launch)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def dot_in_fp32(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:

@@ -11,26 +11,19 @@ as it frees instead of after the whole grid.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import interpreting
-
-
-@functools.lru_cache(maxsize=None)
-def _hopper_or_newer(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+from .common import device_capability, interpreting
 
 
 def dependent_launch_works(device: torch.device) -> bool:
     """Whether kernels on ``device`` can be launched dependent on the one before: CUDA sm_90+, not interpreted."""
     if device.type != "cuda" or interpreting():
         return False
-    return _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device())
+    return device_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
 
 # How a kernel releases the next one: not chained, right after its own wait (the next kernel's programs become

@@ -25,18 +25,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .common import device_capability
 from .launch import launch
 
 # The tile shape this kernel is written for (M = TQ x group = 64 rows: one warpgroup), 64-key chunks of 128-key
 # blocks, three slots in the ring (a slot is refilled one chunk after it is read: two chunks in flight).
 ROWS, BLOCK_N, STAGES = 64, 64, 3
 NEG_INF = gl.constexpr(float("-inf"))
-
-
-@functools.lru_cache(maxsize=None)
-def _is_hopper(device_index: int) -> bool:
-    """Whether the device is sm_90 (asked once per device: the query costs host time on every call)."""
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 def gluon_tiles_fit(q: torch.Tensor, kv_cache: torch.Tensor, tq: int, k_mode: int, v_mode: int) -> bool:
@@ -49,7 +44,7 @@ def gluon_tiles_fit(q: torch.Tensor, kv_cache: torch.Tensor, tq: int, k_mode: in
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and kv_cache.dtype == q.dtype
             and k_mode == 0 and v_mode == 0 and dim == 128 and bs == 128 and width == 2 * dim
             and group & (group - 1) == 0 and tq * group == ROWS and kv_cache.shape[0] > 0 and kv_cache.is_contiguous()
-            and kv_cache.data_ptr() % 16 == 0 and _is_hopper(q.device.index))
+            and kv_cache.data_ptr() % 16 == 0 and device_capability(q.device.index) == (9, 0))
 
 
 @gluon.jit
