@@ -455,10 +455,12 @@ def test_locate_prefill_rows_and_tiles(target, lens, tq, padding):
 
 
 def test_union_launch_records_each_tile(target, monkeypatch):
-    """The prefill union launch's per-tile record [6, tiles, Hkv]: union size (distinct valid ids of the tile's
-    rows), n_all <= n_full <= size, and the tile's first row, rows left in its request and first position, which
-    the Gluon attention launch reads instead of locating its tile; -1 as the size on the grid's tail."""
+    """The prefill union launch's per-tile record [6, tiles, Hkv]: union size (distinct valid ids of the rows the
+    tile order put in the tile's slots), n_all <= n_full <= size, and the tile's first slot, rows left in its
+    request and position - row index, which the Gluon attention launch reads instead of locating its tile; -1 as
+    the size on the grid's tail."""
     from m3sparse.kernels import sparse_attn
+    monkeypatch.setattr(sparse_attn, "GREEDY_ORDER_MIN_ROWS", 0)
     spec = dict(requests=[(37, 29), (0, 45), (70, 3)], heads=4, kv_heads=2, block_size=16)
     if target == "cuda":
         spec = dict(requests=[(3000, 301), (0, 130), (127, 5)], heads=16, kv_heads=1, block_size=128)
@@ -474,27 +476,79 @@ def test_union_launch_records_each_tile(target, monkeypatch):
     tiles, kv_heads = ls[0][0][0], ls[0][0][1]
     tq = ls[0][1]["TQ"]
     record = args[16][:6 * tiles * kv_heads].view(6, tiles, kv_heads).cpu()
+    order = args[18][:ids.shape[1] * kv_heads].view(-1, kv_heads).cpu()
     bs, width = batch.block_size, batch.block_table.shape[1]
     i = row0 = 0
     for req in batch.requests:
         for before in range(0, req.query_len, tq):
-            rows = range(row0 + before, row0 + min(before + tq, req.query_len))
+            slots = range(row0 + before, row0 + min(before + tq, req.query_len))
             for g in range(kv_heads):
+                rows = [int(order[s, g]) for s in slots]
                 chosen = {int(x) for t in rows for x in ids[g, t].tolist()
                           if 0 <= x <= batch.rows[t][1] // bs and x < width}
-                size, n_all, n_full, first_row, left, first_pos = record[:, i, g].tolist()
-                assert (size, first_row, left, first_pos) == (len(chosen), row0 + before, req.query_len - before,
-                                                              req.context_len + before)
+                size, n_all, n_full, first_slot, left, pos0 = record[:, i, g].tolist()
+                assert (size, first_slot, left, pos0) == (len(chosen), row0 + before, req.query_len - before,
+                                                          req.context_len - row0)
                 assert 0 <= n_all <= n_full <= size
             i += 1
         row0 += req.query_len
     assert i < tiles and (record[0, i:] == -1).all()
 
 
+def _tile_order(ids, cu, tq, greedy=True):
+    from m3sparse.kernels.tile_order import order_tile_rows
+    order = torch.full((ids.shape[1], ids.shape[0]), -7, dtype=torch.int32, device=ids.device)
+    order_tile_rows(ids, cu, cu.shape[0] - 1, ids.shape[1], tq, order, greedy=greedy)
+    return order.cpu()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lens=st.lists(st.integers(0, 300), min_size=1, max_size=4), tq=st.sampled_from([1, 2, 4, 8]),
+       kv_heads=st.integers(1, 2), seed=st.integers(0, 2**16))
+def test_tile_order_permutes_rows_within_groups(target, lens, tq, kv_heads, seed):
+    """The tile order is, per KV head, a permutation of each group of 128 rows of a request (so a tile never
+    mixes requests or groups) whatever the ids hold (negative, huge, repeated); the identity without greedy."""
+    from m3sparse.kernels.tile_order import ORDER_GROUP
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lens)
+    ids = torch.randint(-3, 40, (kv_heads, total, 16), generator=gen, dtype=torch.int32)
+    ids[..., 0] = torch.where(ids[..., 1] > 30, 2**31 - 1, ids[..., 0])
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    dev = device_of(target)
+    order = _tile_order(ids.to(dev), cu.to(dev), tq)
+    assert torch.equal(_tile_order(ids.to(dev), cu.to(dev), tq, greedy=False),
+                       torch.arange(total, dtype=torch.int32)[:, None].expand(-1, kv_heads))
+    for b, n in enumerate(lens):
+        for g0 in range(0, n, ORDER_GROUP):
+            group = range(int(cu[b]) + g0, int(cu[b]) + min(g0 + ORDER_GROUP, n))
+            for g in range(kv_heads):
+                assert sorted(order[group.start:group.stop, g].tolist()) == list(group)
+
+
+def test_tile_order_groups_rows_that_share_blocks(target):
+    """Rows alternating between two disjoint selections (and a third kind every 5th row): greedy tiles hold
+    rows of one kind each wherever the kind counts allow, consecutive tiles mix them (a union of 32 blocks)."""
+    dev = device_of(target)
+    n, tq = 128, 4
+    kind = torch.tensor([2 if t % 5 == 4 else t % 2 for t in range(n)])
+    sets = torch.tensor([list(range(0, 16)), list(range(100, 116)), list(range(200, 216))], dtype=torch.int32)
+    ids = sets[kind][None].contiguous()
+    order = _tile_order(ids.to(dev), torch.tensor([0, n], dtype=torch.int32, device=dev), tq)[:, 0]
+    mixed = [len(set(kind[order[t:t + tq].long()].tolist())) for t in range(0, n, tq)]
+    counts = torch.bincount(kind).tolist()
+    # Each kind fills all but its last tile; the rows left over share at most len(counts) tiles.
+    assert sum(m > 1 for m in mixed) <= len(counts) - 1, mixed
+    assert sum(m > 1 for m in (len(set(kind[t:t + tq].tolist())) for t in range(0, n, tq))) == n // tq
+
+
 @pytest.mark.parametrize("max_union", [0, 12, 10**6])
-def test_prefill_attention_tile_and_row_paths(target, max_union):
-    """Every tile through the per-row kernel (0), a mix (12), every tile through the tile kernel."""
+@pytest.mark.parametrize("greedy_order", [True, False])
+def test_prefill_attention_tile_and_row_paths(target, max_union, greedy_order, monkeypatch):
+    """Every tile through the per-row kernel (0), a mix (12), every tile through the tile kernel; tiles of rows
+    in the greedy order or consecutive."""
+    from m3sparse.kernels import sparse_attn
     from m3sparse.kernels.sparse_attn import sparse_attn_prefill
+    monkeypatch.setattr(sparse_attn, "GREEDY_ORDER_MIN_ROWS", 0 if greedy_order else 10**9)
     spec = dict(requests=[(150, 40), (0, 100), (70, 3)], heads=8, kv_heads=2, block_size=16)
     if target == "cuda":
         spec = dict(requests=[(9000, 700), (0, 2100), (3000, 5)], heads=16, kv_heads=1, block_size=128)
@@ -540,12 +594,13 @@ def test_hopper_tile_attention_matches_reference(dtype, heads, kv_heads, max_uni
     twice (the same output); the test fails if another kernel computed the tiles."""
     if not (torch.cuda.get_device_capability() == (9, 0) and triton.__version__.startswith("3.6.")):
         pytest.skip("the Gluon tile attention runs on sm_90 with Triton 3.6")
-    from m3sparse.kernels import sparse_attn_tiles_gluon
+    from m3sparse.kernels import sparse_attn, sparse_attn_tiles_gluon
     from m3sparse.kernels.sparse_attn import sparse_attn_prefill
+    monkeypatch.setattr(sparse_attn, "GREEDY_ORDER_MIN_ROWS", 0)  # tiles of permuted rows
     calls = []
     launch_hopper = sparse_attn_tiles_gluon.sparse_attn_tiles_hopper
     monkeypatch.setattr(sparse_attn_tiles_gluon, "sparse_attn_tiles_hopper",
-                        lambda *a: (calls.append(a[4]), launch_hopper(*a))[1])
+                        lambda *a: (calls.append(a[5]), launch_hopper(*a))[1])
     batch = make_batch(requests=[(9000, 700), (0, 2100), (3000, 5), (127, 130)], heads=heads, kv_heads=kv_heads,
                        block_size=128, q_dtype=dtype, kv_dtype=dtype, index_dtype=torch.bfloat16,
                        seed=heads + max_union % 7, device="cuda")

@@ -21,6 +21,7 @@ from .launch import launch, launch_each
 from .online_softmax import attend_keys, store_rows
 from .rows import locate_prefill
 from .sparse_attn_tiles import _sparse_attn_tiles_kernel
+from .tile_order import order_tile_rows
 
 
 @triton.jit
@@ -143,6 +144,11 @@ TILE_M, TILE_WARPS, TILE_STAGES, TILE_BLOCK_N = 64, 4, 3, 64
 # union / apart on 1 / 2 warps): 128k locality 7.16 / 6.98 / 7.10, overlap 6.33 / 6.11 / 6.35, 32k locality 1.78 /
 # 1.74 / 1.77. Decode keeps one launch: there the extra launch costs more than it saves (32 x 128k x 4 rows).
 UNION_WARPS = 1
+# Prefill batches of at least this many rows form their tiles of overlapping rows (``tile_order``'s greedy order);
+# smaller ones keep consecutive rows. H200, attention op, ms (consecutive -> greedy, its order launch ~70 us at 8k /
+# 32k rows, ~90 at 128k): 128k locality 7.04 -> 6.31, overlap 5.97 -> 5.69; 32k locality 1.57 -> 1.50 but overlap
+# 1.27 -> 1.33; 8k on 120k locality 0.431 -> 0.457, overlap 0.384 -> 0.463 (docs/perf-notes.md v20).
+GREEDY_ORDER_MIN_ROWS = 65536
 # Decode tiles: at least this many (request, KV head) tiles, each union split over about two programs per SM
 # (the tile kernel's shared memory fits two).
 TILE_MIN_DECODE_TILES, TILE_PROGRAMS = 128, 2 * H200_SMS
@@ -260,20 +266,24 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     cu, ctx = prefill if prefill is not None else (decode[0], decode[0])
     seq_lens, dql = decode if decode is not None else (cu, 0)
     # One allocation for the union scratch [tiles, Hkv, splits, 3, tq * k_pad] and, for a union launch apart (prefill),
-    # the union sizes and tile rows [6, tiles, Hkv] and the row marks [T, Hkv] (int8): each allocation is host time
-    # before the first kernel of an eager prefill.
+    # the union sizes and tile rows [6, tiles, Hkv], the rows of the tiles' slots [T, Hkv] (int32) and the row marks
+    # [T, Hkv] (int8): each allocation is host time before the first kernel of an eager prefill.
     apart = prefill is not None
     union_size = tiles * kv_heads * splits * 3 * tq * topk_pad
     sizes_words = 6 * tiles * kv_heads if apart else 0
+    order_words = cdiv(num_tokens * kv_heads, 2) if apart else 0
     marks_words = cdiv(num_tokens * kv_heads, 8) if apart else 0
-    union = torch.empty(union_size + sizes_words + marks_words, dtype=torch.int64, device=q.device)
+    union = torch.empty(union_size + sizes_words + order_words + marks_words, dtype=torch.int64, device=q.device)
     counts = union[union_size:union_size + sizes_words]
-    marks = union[union_size + sizes_words:].view(torch.int8)
+    order = union[union_size + sizes_words:union_size + sizes_words + order_words].view(torch.int32)
+    marks = union[union_size + sizes_words + order_words:].view(torch.int8)
+    if apart:
+        order_tile_rows(topk_ids, cu, batch, num_tokens, tq, order, greedy=num_tokens >= GREEDY_ORDER_MIN_ROWS)
     m, l, acc = _split_partials(out, splits)
     args = (q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3], topk_ids, *topk_ids.stride(), block_table,
-            block_table.stride(0), block_table.shape[1], num_pages, union, counts, marks, cu, ctx, seq_lens, dql, batch,
-            kv_heads, max_union, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, out, *out.stride()[:2], m, l,
-            acc, splits)
+            block_table.stride(0), block_table.shape[1], num_pages, union, counts, marks, order, cu, ctx, seq_lens, dql,
+            batch, kv_heads, max_union, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, out, *out.stride()[:2],
+            m, l, acc, splits)
     consts = dict(G=group, GP=next_pow2(group), TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N),
                   D=dim, TOPK=topk, TOPK_PAD=topk_pad, K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
                   IS_DECODE=decode is not None, WRITE_OUT=splits == 1)
@@ -287,7 +297,7 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
                                                          num_stages=1 if dot_f32 else TILE_STAGES)))
     launch_each(_sparse_attn_tiles_kernel, args, launches)
     if hopper is not None:
-        hopper(q, kv_cache, union, counts, tiles, tq, tq * topk_pad, max_union, sc.k_mult, sc.v_val, out)
+        hopper(q, kv_cache, union, counts, order, tiles, tq, tq * topk_pad, max_union, sc.k_mult, sc.v_val, out)
     _merge_split_partials(m, l, acc, out, splits, 0)
     return marks
 

@@ -22,25 +22,38 @@ from .rows import locate_prefill, prefill_request_rows
 
 
 @triton.jit
-def _tile_lanes(first, nrows, LANES: tl.constexpr, WIDTH: tl.constexpr, USED: tl.constexpr):
-    """The LANES = rows x WIDTH lanes of a tile, row-major: (lane, row, column, position of the row, live: a
-    row of the tile and one of the first USED columns)."""
+def _tile_lanes(nrows, LANES: tl.constexpr, WIDTH: tl.constexpr, USED: tl.constexpr):
+    """The LANES = rows x WIDTH lanes of a tile, row-major: (lane, tile row, column, live: a row of the tile and
+    one of the first USED columns)."""
     e = tl.arange(0, LANES)
     r = e // WIDTH
     c = e % WIDTH
-    return e, r, c, first + r, (r < nrows) & (c < USED)
+    return e, r, c, (r < nrows) & (c < USED)
 
 
 @triton.jit
-def _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_row_ptr, width, num_pages, g, row0, nrows, first,
-                       TQ: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BS: tl.constexpr):
+def _tile_rows(r, live, row0, pos0, order_ptr, HKV, g, ORDERED: tl.constexpr):
+    """(row, position) of tile row r, the tile's slot row0 + r. ORDERED (prefill): the row ``tile_order`` put in
+    that slot, at position row + pos0; else row0 + r at pos0 + r (decode: a request's consecutive rows)."""
+    if ORDERED:
+        row = tl.load(order_ptr + (row0 + r) * HKV + g, mask=live, other=0)
+        return row, row + pos0
+    return row0 + r, pos0 + r
+
+
+@triton.jit
+def _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_row_ptr, width, num_pages, g, row0, nrows, pos0,
+                       order_ptr, HKV, TQ: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+                       BS: tl.constexpr, ORDERED: tl.constexpr):
     """Write the distinct valid block ids of a (tile, KV head) to entries[0, :count], their pages (-1 outside
     the cache) to entries[1], and, as a bit per tile row, which rows chose them to entries[2]. The first ones
-    are the n_full blocks in the cache that end at or before the tile's first row (every row sees all their
-    keys), and the first n_all of those every row of the tile chose; return (count, n_all, n_full)."""
+    are the n_full blocks in the cache that end at or before the tile's earliest row (every row sees all their
+    keys), and the first n_all of those every row of the tile chose; return (count, n_all, n_full). Tile rows:
+    ``_tile_rows``."""
     N: tl.constexpr = TQ * TOPK_PAD
-    e, r, k, pos, live = _tile_lanes(first, nrows, N, TOPK_PAD, TOPK)
-    ids = tl.load(ids_ptr + g * id_sh + (row0 + r) * id_st + k * id_sk, mask=live, other=-1)
+    e, r, k, live = _tile_lanes(nrows, N, TOPK_PAD, TOPK)
+    t, pos = _tile_rows(r, live, row0, pos0, order_ptr, HKV, g, ORDERED)
+    ids = tl.load(ids_ptr + g * id_sh + t * id_st + k * id_sk, mask=live, other=-1)
     ok = live & (pos >= 0) & (ids >= 0) & (ids <= pos // BS) & (ids < width)
     ids = tl.where(ok, ids, -1)
     same = (ids[None, :] == ids[:, None]) & ok[None, :]
@@ -60,6 +73,7 @@ def _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_row_ptr, width,
     keep = ok & ~dup
     page = tl.load(bt_row_ptr + ids, mask=keep, other=-1)
     page = tl.where((page >= 0) & (page < num_pages), page, -1)
+    first = tl.min(tl.where(live, pos, 2**31 - 1), axis=0)
     full = keep & (page >= 0) & (ids * BS + BS - 1 <= first)
     # Of those, the ones every row of the tile chose come first: their scores need no mask (rows past nrows are
     # never stored). `every` is 2^n - 1 for the tile's n rows, built without a shift by 64.
@@ -131,21 +145,21 @@ def _attend_chunks(entries, lo, hi, q, kv_ptr, kv_sp, kv_sh, kv_ss, kv_off, ks_p
 @triton.jit
 def _attend_union(entries, lo, hi, n_all, n_full, q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr,
                   vs_sh, scale, v_factor, o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, split, SPLITS, H, g, row0, nrows,
-                  first, G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr, BS: tl.constexpr,
+                  pos0, order_ptr, HKV, G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr, BS: tl.constexpr,
                   BLOCK_N: tl.constexpr, D: tl.constexpr, N: tl.constexpr, K_SCALE: tl.constexpr,
-                  V_SCALE: tl.constexpr, DOT_F32: tl.constexpr, WRITE_OUT: tl.constexpr):
-    """Attention of the tile's rows (all query heads of KV head g) over the union blocks lo..hi-1 listed at
-    entries, of which the first n_full are fully visible. WRITE_OUT: the rows' output; else their partials of
-    split ``split`` of SPLITS (``store_rows``; H query heads in all)."""
+                  V_SCALE: tl.constexpr, DOT_F32: tl.constexpr, WRITE_OUT: tl.constexpr, ORDERED: tl.constexpr):
+    """Attention of the tile's rows (all query heads of KV head g; ``_tile_rows``) over the union blocks lo..hi-1
+    listed at entries, of which the first n_full are fully visible. WRITE_OUT: the rows' output; else their
+    partials of split ``split`` of SPLITS (``store_rows``; H query heads in all)."""
     M: tl.constexpr = TQ * GP
-    _, r, h, pos, live = _tile_lanes(first, nrows, M, GP, G)
-    t = row0 + r
+    _, r, h, live = _tile_lanes(nrows, M, GP, G)
+    t, pos = _tile_rows(r, live, row0, pos0, order_ptr, HKV, g, ORDERED)
     d = tl.arange(0, D)
     heads = g * G + h
     q = tl.load(q_ptr + t[:, None] * q_st + heads[:, None] * q_sh + d[None, :], mask=live[:, None], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    last_pos = first + tl.minimum(nrows, TQ) - 1
+    last_pos = tl.max(tl.where(live, pos, -1), axis=0)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
@@ -174,7 +188,8 @@ def _attend_union(entries, lo, hi, n_all, n_full, q_ptr, q_st, q_sh, kv_ptr, kv_
 
 @triton.jit
 def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr, id_sh, id_st, id_sk, bt_ptr,
-                              bt_sb, width, num_pages, union_ptr, count_ptr, row_ptr, cu_ptr, ctx_ptr, seq_ptr, DQL,
+                              bt_sb, width, num_pages, union_ptr, count_ptr, row_ptr, order_ptr, cu_ptr, ctx_ptr,
+                              seq_ptr, DQL,
                               BATCH, HKV, MAX_UNION, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st, o_sh,
                               m_ptr, l_ptr, acc_ptr, SPLITS, G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr,
                               BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
@@ -183,12 +198,13 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
                               BUILD_UNION: tl.constexpr, ATTEND: tl.constexpr):
     """One program per (query tile, KV head, split): write the tile's block union (union_ptr: per-program
     scratch [tiles, Hkv, SPLITS, 3, N]), then attend over the split's share of the union if it has at most
-    MAX_UNION blocks. BUILD_UNION alone (prefill): only the union (split 0's scratch), its (size, n_all, n_full)
-    and the tile's (first row, rows, position of the first row) (count_ptr [6, tiles, Hkv], int64; size -1 on the
-    grid's tail) and a mark on the rows of tiles the attention will compute (row_ptr
-    [T, Hkv], int8: the per-row kernel computes the others); ATTEND alone: only the attention, over what such a
-    launch wrote. Decode: tile b is request b's DQL rows (positions seq_lens[b] - DQL ...); with SPLITS > 1 the
-    partials go to m/l/acc_ptr [T, SPLITS, H(, D)]."""
+    MAX_UNION blocks. Prefill: tile i of a request is its slots (i - first tile) x TQ ..., whose rows
+    ``tile_order`` wrote to order_ptr ([T, Hkv] int32). BUILD_UNION alone (prefill): only the union (split 0's
+    scratch), its (size, n_all, n_full) and the tile's (first slot, rows, position - row index) (count_ptr
+    [6, tiles, Hkv], int64; size -1 on the grid's tail) and a mark on the rows of tiles the attention will compute
+    (row_ptr [T, Hkv], int8: the per-row kernel computes the others); ATTEND alone: only the attention, over what
+    such a launch wrote. Decode: tile b is request b's DQL rows (positions seq_lens[b] - DQL ...); with SPLITS > 1
+    the partials go to m/l/acc_ptr [T, SPLITS, H(, D)]."""
     N: tl.constexpr = TQ * TOPK_PAD
     i = tl.program_id(0)
     g = tl.program_id(1)
@@ -205,20 +221,21 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
         if IS_DECODE:
             row0 = b * DQL
             nrows = DQL
-            first = tl.load(seq_ptr + b) - DQL
+            pos0 = tl.load(seq_ptr + b) - DQL
         else:
             req_row0, req_rows, req_first = prefill_request_rows(b, cu_ptr, ctx_ptr)
             before = (i - first_tile) * TQ  # rows of the request before this tile
             row0 = req_row0 + before
             nrows = req_rows - before
-            first = req_first + before
+            pos0 = req_first - req_row0
         tile_id = i * HKV + g
         num_tiles = tl.num_programs(0) * HKV
         if BUILD_UNION:
             # Built with the attention, each split writes its own copy: no program waits for another's.
             entries = union_ptr + (tile_id * SPLITS + (split if ATTEND else 0)) * 3 * N
             count, n_all, n_full = _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_ptr + b * bt_sb,
-                                                      width, num_pages, g, row0, nrows, first, TQ, TOPK, TOPK_PAD, BS)
+                                                      width, num_pages, g, row0, nrows, pos0, order_ptr, HKV, TQ,
+                                                      TOPK, TOPK_PAD, BS, not IS_DECODE)
             if ATTEND:
                 tl.debug_barrier()  # every thread's entries are visible to the whole program before they are read
             else:
@@ -229,10 +246,11 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
                 # The tile's rows, for an attention launch that does not locate them (sparse_attn_tiles_gluon).
                 tl.store(count_ptr + 3 * num_tiles + tile_id, row0)
                 tl.store(count_ptr + 4 * num_tiles + tile_id, nrows)
-                tl.store(count_ptr + 5 * num_tiles + tile_id, first)
+                tl.store(count_ptr + 5 * num_tiles + tile_id, pos0)
                 rr = tl.arange(0, TQ)
+                t, _ = _tile_rows(rr, rr < nrows, row0, pos0, order_ptr, HKV, g, True)
                 mark = tl.zeros([TQ], tl.int8) + (count <= MAX_UNION).to(tl.int8)
-                tl.store(row_ptr + (row0 + rr) * HKV + g, mark, mask=rr < nrows)
+                tl.store(row_ptr + t * HKV + g, mark, mask=rr < nrows)
         else:
             entries = union_ptr + tile_id * SPLITS * 3 * N
             count = tl.load(count_ptr + tile_id).to(tl.int32)
@@ -244,5 +262,5 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
                 lo = tl.minimum(split * per_split, count)
                 _attend_union(entries, lo, tl.minimum(count, lo + per_split), n_all, n_full, q_ptr, q_st, q_sh,
                               kv_ptr, kv_sp, kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st,
-                              o_sh, m_ptr, l_ptr, acc_ptr, split, SPLITS, G * HKV, g, row0, nrows, first, G, GP, TQ,
-                              BS, BLOCK_N, D, N, K_SCALE, V_SCALE, DOT_F32, WRITE_OUT)
+                              o_sh, m_ptr, l_ptr, acc_ptr, split, SPLITS, G * HKV, g, row0, nrows, pos0, order_ptr,
+                              HKV, G, GP, TQ, BS, BLOCK_N, D, N, K_SCALE, V_SCALE, DOT_F32, WRITE_OUT, not IS_DECODE)

@@ -122,13 +122,14 @@ def _fold_chunk(j, s_regs, next_page, q, k_smem, v_smem, bars, kv_desc, entries,
 
 
 @gluon.jit
-def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count_ptr, HKV, MAX_UNION, scale,
-                                    v_factor, o_ptr, o_st, o_sh, G: gl.constexpr, TQ: gl.constexpr,
+def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count_ptr, order_ptr, HKV, MAX_UNION,
+                                    scale, v_factor, o_ptr, o_st, o_sh, G: gl.constexpr, TQ: gl.constexpr,
                                     BS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, N: gl.constexpr,
                                     STAGES: gl.constexpr):
     """One program per (query tile, KV head): attention of the tile's M = TQ x G rows over the union the union
     launch wrote (union_ptr: [tiles, Hkv, 1, 3, N]; count_ptr: [6, tiles, Hkv] int64 = union size (-1: no
-    tile), n_all, n_full, first row, rows, position of the first row), if it has at most MAX_UNION blocks."""
+    tile), n_all, n_full, first slot, rows, position - row index), if it has at most MAX_UNION blocks. The tile's
+    rows are those ``tile_order`` put in its slots (order_ptr: [T, Hkv] int32)."""
     M: gl.constexpr = TQ * G
     SUB: gl.constexpr = BS // BLOCK_N
     i = gl.program_id(0)
@@ -141,9 +142,8 @@ def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count
         n_full = gl.load(count_ptr + 2 * num_tiles + tile_id).to(gl.int32)
         row0 = gl.load(count_ptr + 3 * num_tiles + tile_id).to(gl.int32)
         nrows = gl.load(count_ptr + 4 * num_tiles + tile_id).to(gl.int32)
-        first = gl.load(count_ptr + 5 * num_tiles + tile_id).to(gl.int32)
+        pos0 = gl.load(count_ptr + 5 * num_tiles + tile_id).to(gl.int32)
         entries = union_ptr + tile_id * 3 * N
-        last_pos = first + gl.minimum(nrows, TQ) - 1
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -171,12 +171,18 @@ def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count
 
         rl = gl.arange(0, M, layout=gl.SliceLayout(1, ld))
         dl = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-        q = gl.load(q_ptr + (row0 + rl // G)[:, None] * q_st + (g * G + rl % G)[:, None] * q_sh + dl[None, :],
-                    mask=((rl // G) < nrows)[:, None], other=0.0)
+        live_l = (rl // G) < nrows
+        t_l = gl.load(order_ptr + (row0 + rl // G) * HKV + g, mask=live_l, other=0)
+        q = gl.load(q_ptr + t_l[:, None] * q_st + (g * G + rl % G)[:, None] * q_sh + dl[None, :],
+                    mask=live_l[:, None], other=0.0)
         q = gl.convert_layout(q, q_op)
 
+        # The rows again in the scores' and the output's layouts: loads that hit the cache, where converting t_l
+        # made ptxas serialise the wgmmas at G = 8.
         r = gl.arange(0, M, layout=rows_s)
-        pos = first + r // G
+        live_s = (r // G) < nrows
+        pos = gl.load(order_ptr + (row0 + r // G) * HKV + g, mask=live_s, other=0) + pos0
+        last_pos = gl.max(gl.where(live_s, pos, -1), axis=0)
         jn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         v_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
         k_mult = scale * 1.4426950408889634  # log2(e): the softmax runs on exp2
@@ -194,10 +200,12 @@ def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count
             mbarrier.invalidate(bars.index(b))
         ro = gl.arange(0, M, layout=rows_o)
         do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        live_o = (ro // G) < nrows
+        t_o = gl.load(order_ptr + (row0 + ro // G) * HKV + g, mask=live_o, other=0)
         l_o = gl.convert_layout(l_i, rows_o)
         o = acc * (v_factor / gl.where(l_o > 0, l_o, 1.0))[:, None]
-        gl.store(o_ptr + (row0 + ro // G)[:, None] * o_st + (g * G + ro % G)[:, None] * o_sh + do[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=((ro // G) < nrows)[:, None])
+        gl.store(o_ptr + t_o[:, None] * o_st + (g * G + ro % G)[:, None] * o_sh + do[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=live_o[:, None])
 
 
 @functools.lru_cache(maxsize=None)
@@ -207,14 +215,14 @@ def _smem_layout(dtype: torch.dtype, dim: int):
                                                 else gl.float16)
 
 
-def sparse_attn_tiles_hopper(q, kv_cache, union, counts, tiles, tq, n, max_union, scale, v_factor, out):
+def sparse_attn_tiles_hopper(q, kv_cache, union, counts, order, tiles, tq, n, max_union, scale, v_factor, out):
     """Launch over the ``tiles`` x Hkv unions of a prefill batch, each of n = tq x k_pad entries (``_tile_attn``'s
-    union launch wrote them and ``counts``)."""
+    union launch wrote them and ``counts``; ``order``: the rows of the tiles' slots)."""
     pages, kv_heads, bs, width = kv_cache.shape
     dim = width // 2
     rows = kv_cache.view(pages * kv_heads * bs, width)
     desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [BLOCK_N, dim], _smem_layout(rows.dtype, dim))
     # The descriptor's dtype is q's (checked by gluon_tiles_fit), which is part of launch()'s specialization key.
     launch(sparse_attn_tiles_hopper_kernel, (tiles, kv_heads), q, q.stride(0), q.stride(1), desc, union, counts,
-           kv_heads, max_union, scale, v_factor, out, out.stride(0), out.stride(1), G=q.shape[1] // kv_heads, TQ=tq,
+           order, kv_heads, max_union, scale, v_factor, out, out.stride(0), out.stride(1), G=q.shape[1] // kv_heads, TQ=tq,
            BS=bs, BLOCK_N=BLOCK_N, D=dim, N=n, STAGES=STAGES, num_warps=4)
