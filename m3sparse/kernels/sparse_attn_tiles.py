@@ -189,13 +189,12 @@ def _attend_union(entries, lo, hi, n_all, n_full, q_ptr, q_st, q_sh, kv_ptr, kv_
 @triton.jit
 def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr, id_sh, id_st, id_sk, bt_ptr,
                               bt_sb, width, num_pages, union_ptr, count_ptr, row_ptr, order_ptr, cu_ptr, ctx_ptr,
-                              seq_ptr, DQL,
-                              BATCH, HKV, MAX_UNION, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st, o_sh,
-                              m_ptr, l_ptr, acc_ptr, SPLITS, G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr,
-                              BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
-                              TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
-                              DOT_F32: tl.constexpr, IS_DECODE: tl.constexpr, WRITE_OUT: tl.constexpr,
-                              BUILD_UNION: tl.constexpr, ATTEND: tl.constexpr):
+                              seq_ptr, DQL, BATCH, HKV, MAX_UNION, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor,
+                              o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, SPLITS, G: tl.constexpr, GP: tl.constexpr,
+                              TQ: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                              TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr,
+                              V_SCALE: tl.constexpr, DOT_F32: tl.constexpr, IS_DECODE: tl.constexpr,
+                              WRITE_OUT: tl.constexpr, BUILD_UNION: tl.constexpr, ATTEND: tl.constexpr):
     """One program per (query tile, KV head, split): write the tile's block union (union_ptr: per-program
     scratch [tiles, Hkv, SPLITS, 3, N]), then attend over the split's share of the union if it has at most
     MAX_UNION blocks. Prefill: tile i of a request is its slots (i - first tile) x TQ ..., whose rows

@@ -224,5 +224,5 @@ def sparse_attn_tiles_hopper(q, kv_cache, union, counts, order, tiles, tq, n, ma
     desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [BLOCK_N, dim], _smem_layout(rows.dtype, dim))
     # The descriptor's dtype is q's (checked by gluon_tiles_fit), which is part of launch()'s specialization key.
     launch(sparse_attn_tiles_hopper_kernel, (tiles, kv_heads), q, q.stride(0), q.stride(1), desc, union, counts,
-           order, kv_heads, max_union, scale, v_factor, out, out.stride(0), out.stride(1), G=q.shape[1] // kv_heads, TQ=tq,
-           BS=bs, BLOCK_N=BLOCK_N, D=dim, N=n, STAGES=STAGES, num_warps=4)
+           order, kv_heads, max_union, scale, v_factor, out, out.stride(0), out.stride(1), G=q.shape[1] // kv_heads,
+           TQ=tq, BS=bs, BLOCK_N=BLOCK_N, D=dim, N=n, STAGES=STAGES, num_warps=4)
