@@ -460,7 +460,7 @@ def test_union_launch_records_each_tile(target, monkeypatch):
     request and position - row index, which the Gluon attention launch reads instead of locating its tile; -1 as
     the size on the grid's tail."""
     from m3sparse.kernels import sparse_attn
-    monkeypatch.setattr(sparse_attn, "GREEDY_ORDER_MIN_ROWS", 0)
+    monkeypatch.setattr(sparse_attn, "TILE_ORDER_GROUPS", ((0, 32),))
     spec = dict(requests=[(37, 29), (0, 45), (70, 3)], heads=4, kv_heads=2, block_size=16)
     if target == "cuda":
         spec = dict(requests=[(3000, 301), (0, 130), (127, 5)], heads=16, kv_heads=1, block_size=128)
@@ -495,60 +495,61 @@ def test_union_launch_records_each_tile(target, monkeypatch):
     assert i < tiles and (record[0, i:] == -1).all()
 
 
-def _tile_order(ids, cu, tq, greedy=True):
+def _tile_order(ids, cu, tq, group):
     from m3sparse.kernels.tile_order import order_tile_rows
     order = torch.full((ids.shape[1], ids.shape[0]), -7, dtype=torch.int32, device=ids.device)
-    order_tile_rows(ids, cu, cu.shape[0] - 1, ids.shape[1], tq, order, greedy=greedy)
+    order_tile_rows(ids, cu, cu.shape[0] - 1, ids.shape[1], tq, order, group)
     return order.cpu()
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lens=st.lists(st.integers(0, 300), min_size=1, max_size=4), tq=st.sampled_from([1, 2, 4, 8]),
-       kv_heads=st.integers(1, 2), seed=st.integers(0, 2**16))
-def test_tile_order_permutes_rows_within_groups(target, lens, tq, kv_heads, seed):
-    """The tile order is, per KV head, a permutation of each group of 128 rows of a request (so a tile never
-    mixes requests or groups) whatever the ids hold (negative, huge, repeated); the identity without greedy."""
-    from m3sparse.kernels.tile_order import ORDER_GROUP
+       kv_heads=st.integers(1, 2), group=st.sampled_from([32, 128]), seed=st.integers(0, 2**16))
+def test_tile_order_permutes_rows_within_groups(target, lens, tq, kv_heads, group, seed):
+    """The tile order is, per KV head, a permutation of each group of ``group`` rows of a request (so a tile never
+    mixes requests or groups) whatever the ids hold (negative, huge, repeated); the identity for group 0."""
     gen = torch.Generator().manual_seed(seed)
     total = sum(lens)
     ids = torch.randint(-3, 40, (kv_heads, total, 16), generator=gen, dtype=torch.int32)
     ids[..., 0] = torch.where(ids[..., 1] > 30, 2**31 - 1, ids[..., 0])
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     dev = device_of(target)
-    order = _tile_order(ids.to(dev), cu.to(dev), tq)
-    assert torch.equal(_tile_order(ids.to(dev), cu.to(dev), tq, greedy=False),
+    order = _tile_order(ids.to(dev), cu.to(dev), tq, group)
+    assert torch.equal(_tile_order(ids.to(dev), cu.to(dev), tq, 0),
                        torch.arange(total, dtype=torch.int32)[:, None].expand(-1, kv_heads))
     for b, n in enumerate(lens):
-        for g0 in range(0, n, ORDER_GROUP):
-            group = range(int(cu[b]) + g0, int(cu[b]) + min(g0 + ORDER_GROUP, n))
+        for g0 in range(0, n, group):
+            rows = range(int(cu[b]) + g0, int(cu[b]) + min(g0 + group, n))
             for g in range(kv_heads):
-                assert sorted(order[group.start:group.stop, g].tolist()) == list(group)
+                assert sorted(order[rows.start:rows.stop, g].tolist()) == list(rows)
 
 
-def test_tile_order_groups_rows_that_share_blocks(target):
+@pytest.mark.parametrize("group", [32, 128])
+def test_tile_order_groups_rows_that_share_blocks(target, group):
     """Rows alternating between two disjoint selections (and a third kind every 5th row): greedy tiles hold
-    rows of one kind each wherever the kind counts allow, consecutive tiles mix them (a union of 32 blocks)."""
+    rows of one kind each wherever the kind counts of a group allow, consecutive tiles mix them (a union of 32
+    blocks)."""
     dev = device_of(target)
     n, tq = 128, 4
     kind = torch.tensor([2 if t % 5 == 4 else t % 2 for t in range(n)])
     sets = torch.tensor([list(range(0, 16)), list(range(100, 116)), list(range(200, 216))], dtype=torch.int32)
     ids = sets[kind][None].contiguous()
-    order = _tile_order(ids.to(dev), torch.tensor([0, n], dtype=torch.int32, device=dev), tq)[:, 0]
-    mixed = [len(set(kind[order[t:t + tq].long()].tolist())) for t in range(0, n, tq)]
-    counts = torch.bincount(kind).tolist()
-    # Each kind fills all but its last tile; the rows left over share at most len(counts) tiles.
-    assert sum(m > 1 for m in mixed) <= len(counts) - 1, mixed
+    order = _tile_order(ids.to(dev), torch.tensor([0, n], dtype=torch.int32, device=dev), tq, group)[:, 0]
+    for g0 in range(0, n, group):
+        mixed = [len(set(kind[order[t:t + tq].long()].tolist())) for t in range(g0, g0 + group, tq)]
+        # Each kind fills all but its last tile of the group; the rows left over share at most 2 tiles.
+        assert sum(m > 1 for m in mixed) <= len(torch.bincount(kind[g0:g0 + group]).nonzero()) - 1, mixed
     assert sum(m > 1 for m in (len(set(kind[t:t + tq].tolist())) for t in range(0, n, tq))) == n // tq
 
 
 @pytest.mark.parametrize("max_union", [0, 12, 10**6])
-@pytest.mark.parametrize("greedy_order", [True, False])
-def test_prefill_attention_tile_and_row_paths(target, max_union, greedy_order, monkeypatch):
+@pytest.mark.parametrize("order_group", [0, 32, 128])
+def test_prefill_attention_tile_and_row_paths(target, max_union, order_group, monkeypatch):
     """Every tile through the per-row kernel (0), a mix (12), every tile through the tile kernel; tiles of rows
-    in the greedy order or consecutive."""
+    consecutive or in the greedy order of 32- or 128-row groups."""
     from m3sparse.kernels import sparse_attn
     from m3sparse.kernels.sparse_attn import sparse_attn_prefill
-    monkeypatch.setattr(sparse_attn, "GREEDY_ORDER_MIN_ROWS", 0 if greedy_order else 10**9)
+    monkeypatch.setattr(sparse_attn, "TILE_ORDER_GROUPS", ((0, order_group),))
     spec = dict(requests=[(150, 40), (0, 100), (70, 3)], heads=8, kv_heads=2, block_size=16)
     if target == "cuda":
         spec = dict(requests=[(9000, 700), (0, 2100), (3000, 5)], heads=16, kv_heads=1, block_size=128)
@@ -561,6 +562,61 @@ def test_prefill_attention_tile_and_row_paths(target, max_union, greedy_order, m
     ref = batch.attn_prefill(ids, impl=reference)
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
     assert rel_err(out, ref) <= attn_tol(target, torch.float16)
+
+
+@pytest.mark.parametrize("kv_dtype, scale_kind", [(torch.float16, "scalar"), (torch.float8_e4m3fn, "per_slot"),
+                                                   (torch.float8_e5m2, "scalar")])
+@pytest.mark.parametrize("pass_rows", [None, 7])
+def test_prefill_rows_by_kv_block(target, kv_dtype, scale_kind, pass_rows, monkeypatch):
+    """Rows no tile takes (max_union 0) through the KV-block launches, in one pass or passes of 7 rows, ids with
+    repeats, negatives, ids past the row's own block or the table, NaN in every unwritten cache slot, padding
+    rows past cu_seqlens_q[-1] (output 0); the per-row kernel must not run."""
+    from m3sparse.kernels import sparse_attn, sparse_attn_kv_major
+    from m3sparse.kernels.sparse_attn import sparse_attn_prefill
+    monkeypatch.setattr(sparse_attn, "_row_attn", None)
+    spec = dict(requests=[(37, 29), (0, 45), (70, 3), (5, 1)], heads=8, kv_heads=2, block_size=16)
+    if target == "cuda":
+        spec = dict(requests=[(9000, 700), (0, 2100), (3000, 5), (127, 130)], heads=16, kv_heads=1, block_size=128)
+    batch = make_batch(**spec, q_dtype=act_dtype(target), kv_dtype=kv_dtype, scale_kind=scale_kind, seed=5,
+                       device=device_of(target))
+    if pass_rows:
+        monkeypatch.setattr(sparse_attn_kv_major, "PASS_BYTES", pass_rows * 4 * batch.q.shape[1] * batch.q.shape[2] *
+                            batch.q.element_size())
+    ids = batch.index_prefill(impl=reference, topk=4)
+    gen = torch.Generator().manual_seed(3)
+    noise = torch.randint(-2, batch.block_table.shape[1] + 3, ids.shape, generator=gen, dtype=torch.int32)
+    ids = torch.where(torch.rand(ids.shape, generator=gen) < 0.3, noise.to(ids.device), ids)
+    ids[..., 1] = ids[..., 0]  # a repeated id counts once
+    pad = 5
+    q = torch.cat([batch.q, torch.randn_like(batch.q[:pad])])
+    ids_padded = torch.cat([ids, torch.randint(-9, 99, (ids.shape[0], pad, 4), dtype=ids.dtype).to(ids.device)], 1)
+    out = torch.full_like(q, float("nan"))
+    sparse_attn_prefill(q, batch.kv_cache, ids_padded, batch.block_table, **batch.prefill_meta(), scale=128 ** -0.5,
+                        out=out, k_scale=batch.k_scale, v_scale=batch.v_scale, max_union=0)
+    ref = batch.attn_prefill(ids, impl=reference)
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    assert rel_err(out[:-pad], ref) <= attn_tol(target, kv_dtype)
+    assert (out[-pad:] == 0).all()
+
+
+def test_prefill_rows_of_large_head_groups_take_the_per_row_kernel(target, monkeypatch):
+    """More than 64 query heads per KV head do not fit a KV-block dot: those rows go through the per-row
+    kernel, which must then run (and match the reference)."""
+    from m3sparse.kernels import sparse_attn
+    from m3sparse.kernels.sparse_attn import sparse_attn_prefill
+    calls = []
+    row_attn = sparse_attn._row_attn
+    monkeypatch.setattr(sparse_attn, "_row_attn", lambda *a, **kw: (calls.append(1), row_attn(*a, **kw))[1])
+    monkeypatch.setattr(sparse_attn, "sparse_attn_kv_major", None)
+    batch = make_batch(requests=[(40, 20), (0, 33)], heads=128, kv_heads=1, block_size=16, q_dtype=act_dtype(target),
+                       kv_dtype=torch.float16, seed=2, device=device_of(target))
+    ids = batch.index_prefill(impl=reference, topk=4)
+    out = torch.full_like(batch.q, float("nan"))
+    sparse_attn_prefill(batch.q, batch.kv_cache, ids, batch.block_table, **batch.prefill_meta(), scale=128 ** -0.5,
+                        out=out, k_scale=batch.k_scale, v_scale=batch.v_scale, max_union=0)
+    assert calls, "the per-row kernel did not run"
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    assert rel_err(out, batch.attn_prefill(ids, impl=reference)) <= attn_tol(target, torch.float16)
 
 
 @pytest.mark.parametrize("scale", [1e-3, 128 ** -0.5, 0.5, 4.0])
@@ -596,7 +652,7 @@ def test_hopper_tile_attention_matches_reference(dtype, heads, kv_heads, max_uni
         pytest.skip("the Gluon tile attention runs on sm_90 with Triton 3.6")
     from m3sparse.kernels import sparse_attn, sparse_attn_tiles_gluon
     from m3sparse.kernels.sparse_attn import sparse_attn_prefill
-    monkeypatch.setattr(sparse_attn, "GREEDY_ORDER_MIN_ROWS", 0)  # tiles of permuted rows
+    monkeypatch.setattr(sparse_attn, "TILE_ORDER_GROUPS", ((0, 32),))  # tiles of permuted rows
     calls = []
     launch_hopper = sparse_attn_tiles_gluon.sparse_attn_tiles_hopper
     monkeypatch.setattr(sparse_attn_tiles_gluon, "sparse_attn_tiles_hopper",

@@ -20,6 +20,7 @@ from .dependent_launch import PDL_EARLY, chained_launch, dependent_launch_works,
 from .launch import launch, launch_each
 from .online_softmax import attend_keys, store_rows
 from .rows import locate_prefill
+from .sparse_attn_kv_major import kv_major_fits, sparse_attn_kv_major
 from .sparse_attn_tiles import _sparse_attn_tiles_kernel
 from .tile_order import order_tile_rows
 
@@ -144,11 +145,14 @@ TILE_M, TILE_WARPS, TILE_STAGES, TILE_BLOCK_N = 64, 4, 3, 64
 # union / apart on 1 / 2 warps): 128k locality 7.16 / 6.98 / 7.10, overlap 6.33 / 6.11 / 6.35, 32k locality 1.78 /
 # 1.74 / 1.77. Decode keeps one launch: there the extra launch costs more than it saves (32 x 128k x 4 rows).
 UNION_WARPS = 1
-# Prefill batches of at least this many rows form their tiles of overlapping rows (``tile_order``'s greedy order);
-# smaller ones keep consecutive rows. H200, attention op, ms (consecutive -> greedy, its order launch ~70 us at 8k /
-# 32k rows, ~90 at 128k): 128k locality 7.04 -> 6.31, overlap 5.97 -> 5.69; 32k locality 1.57 -> 1.50 but overlap
-# 1.27 -> 1.33; 8k on 120k locality 0.431 -> 0.457, overlap 0.384 -> 0.463 (docs/perf-notes.md v20).
-GREEDY_ORDER_MIN_ROWS = 65536
+# Prefill tiles of overlapping rows (``tile_order``'s greedy order): (batches of at least this many rows, rows per
+# group), the first that applies; smaller batches keep consecutive rows. The order's greedy steps are sequential:
+# its launch takes ~70 us on 128-row groups at 8k-32k rows, ~10 on 32-row groups, which order a little worse
+# (32k locality: 18.3 / 19.0 blocks per 4-row tile, 20.7 consecutive). H200, attention op, ms (consecutive ->
+# 32-row / 128-row groups): 8k locality 0.366 -> 0.351 / 0.403, overlap 0.299 -> 0.302 / 0.367; 32k locality
+# 1.617 -> 1.516 / 1.509, overlap 1.273 -> 1.262 / 1.308; 8k on 120k locality 0.431 -> 0.422 / 0.464; 128k
+# (128-row groups) locality 7.04 -> 6.31, overlap 5.97 -> 5.69 (docs/perf-notes.md v20, v21).
+TILE_ORDER_GROUPS = ((65536, 128), (8192, 32))
 # Decode tiles: at least this many (request, KV head) tiles, each union split over about two programs per SM
 # (the tile kernel's shared memory fits two).
 TILE_MIN_DECODE_TILES, TILE_PROGRAMS = 128, 2 * H200_SMS
@@ -278,7 +282,8 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     order = union[union_size + sizes_words:union_size + sizes_words + order_words].view(torch.int32)
     marks = union[union_size + sizes_words + order_words:].view(torch.int8)
     if apart:
-        order_tile_rows(topk_ids, cu, batch, num_tokens, tq, order, greedy=num_tokens >= GREEDY_ORDER_MIN_ROWS)
+        order_group = next((g for rows, g in TILE_ORDER_GROUPS if num_tokens >= rows), 0)
+        order_tile_rows(topk_ids, cu, batch, num_tokens, tq, order, order_group)
     m, l, acc = _split_partials(out, splits)
     args = (q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3], topk_ids, *topk_ids.stride(), block_table,
             block_table.stride(0), block_table.shape[1], num_pages, union, counts, marks, order, cu, ctx, seq_lens, dql,
@@ -330,6 +335,13 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
         tiles = cdiv(q.shape[0], tq) + block_table.shape[0]  # bounds the tile count whatever the lengths
         tiled = _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32,
                            prefill=(cu_seqlens_q, context_lens))
+    # The tiles' rows left over (unions over max_union: selections the rows do not share) by KV block, where it
+    # fits: H200, random selections, ms (per-row kernel -> by KV block): 8k on 120k 1.20 -> 0.64, 32k 3.50 ->
+    # 2.21, 128k 16.5 -> 9.2 (docs/perf-notes.md v21).
+    if block_table.shape[0] and kv_major_fits(q.shape[1] // kv_cache.shape[1], dot_f32, interpreting()):
+        sparse_attn_kv_major(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, seq_lens, sc, out,
+                             tiled, dot_f32)
+        return out
     return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, 0, sc, out, 1, dot_f32,
                      (cu_seqlens_q, context_lens), tiled)
 

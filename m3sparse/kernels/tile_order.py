@@ -4,10 +4,11 @@ The tile kernel loads each block of a tile's union once for all the tile's rows,
 and neighbouring rows are not always the ones that share the most: on the bench's locality selections a tile of 4
 consecutive rows holds 20.7 distinct blocks at 32k (16 are useful per row). ``_tile_order_kernel`` permutes the
 rows within each group of GROUP consecutive rows of a request (GROUP a multiple of the tile's TQ rows, so every
-tile stays inside one group): each tile starts at the group's first row not yet placed and adds, TQ - 1 times,
-the row that shares the most blocks with the tile so far (then the one that adds the fewest). Greedy on 128-row
-groups: 20.7 -> 18.3 blocks per tile at 32k locality, 16.9 -> 16.1 on overlap, 19.0 -> 17.0 at 8k on 120k
-overlap (docs/perf-notes.md v20).
+tile stays inside one group): each tile starts at the group's first row not yet placed and adds, TQ - 1 times, the
+row that shares the most blocks with the tile so far (then the one that adds the fewest). Greedy on 128-row groups:
+20.7 -> 18.3 blocks per tile at 32k locality, 16.9 -> 16.1 on overlap, 19.0 -> 17.0 at 8k on 120k overlap; on
+32-row groups 19.0 at 32k locality, for a launch 7x shorter (the caller picks GROUP by batch size:
+sparse_attn.TILE_ORDER_GROUPS; docs/perf-notes.md v20, v21).
 
 Overlaps are counted on a 32-bit Bloom signature of each row's ids (one bit per id, by a multiplicative hash):
 a collision only makes a worse choice, never a wrong result (32 bits: 18.3 blocks per tile at 16k locality, exact
@@ -23,10 +24,6 @@ import triton.language as tl
 from .common import cdiv, ids_pad
 from .launch import launch
 from .rows import locate_prefill
-
-# Rows permuted together: a query block of 128 positions, whose rows share their own block.
-ORDER_GROUP = 128
-
 
 @triton.jit
 def _or(a, b):
@@ -84,12 +81,14 @@ def _tile_order_kernel(ids_ptr, id_sh, id_st, id_sk, cu_ptr, BATCH, HKV, order_p
 
 
 def order_tile_rows(topk_ids: torch.Tensor, cu_seqlens_q: torch.Tensor, batch: int, num_tokens: int, tq: int,
-                    order: torch.Tensor, greedy: bool = True) -> None:
+                    order: torch.Tensor, group: int) -> None:
     """Write to ``order`` ([T, Hkv] int32) the row of each tile slot of a prefill batch (tiles of ``tq`` slots,
-    ``topk_ids`` [Hkv, T, k]): greedy groups of overlapping rows when ``greedy`` and tiles hold more than one
-    row, else the identity."""
+    ``topk_ids`` [Hkv, T, k]): the greedy order within each ``group`` rows of a request (a power of two, a
+    multiple of ``tq``), or the identity for ``group`` 0 or tiles of one row."""
     kv_heads, _, topk = topk_ids.shape
-    assert ORDER_GROUP % tq == 0, "a tile's slots must stay inside one group"
-    launch(_tile_order_kernel, (cdiv(num_tokens, ORDER_GROUP) + batch, kv_heads), topk_ids, *topk_ids.stride(),
-           cu_seqlens_q, batch, kv_heads, order, GROUP=ORDER_GROUP, TQ=tq, TOPK=topk, TOPK_PAD=ids_pad(topk),
-           GREEDY=greedy and tq > 1, num_warps=1)
+    greedy = group > 0 and tq > 1
+    group = group if greedy else 128
+    assert group % tq == 0 and group & (group - 1) == 0, "a tile's slots must stay inside one group"
+    launch(_tile_order_kernel, (cdiv(num_tokens, group) + batch, kv_heads), topk_ids, *topk_ids.stride(),
+           cu_seqlens_q, batch, kv_heads, order, GROUP=group, TQ=tq, TOPK=topk, TOPK_PAD=ids_pad(topk),
+           GREEDY=greedy, num_warps=1)
