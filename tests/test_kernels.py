@@ -577,7 +577,9 @@ def test_prefill_rows_by_kv_block(target, kv_dtype, scale_kind, pass_rows, monke
     spec = dict(requests=[(37, 29), (0, 45), (70, 3), (5, 1)], heads=8, kv_heads=2, block_size=16)
     if target == "cuda":
         spec = dict(requests=[(9000, 700), (0, 2100), (3000, 5), (127, 130)], heads=16, kv_heads=1, block_size=128)
-    batch = make_batch(**spec, q_dtype=act_dtype(target), kv_dtype=kv_dtype, scale_kind=scale_kind, seed=5,
+    # On the GPU a 16-bit cache of the queries' own dtype (other pairs take fp32 dots: the per-row kernel).
+    q_dtype = kv_dtype if target == "cuda" and kv_dtype.itemsize == 2 else act_dtype(target)
+    batch = make_batch(**spec, q_dtype=q_dtype, kv_dtype=kv_dtype, scale_kind=scale_kind, seed=5,
                        device=device_of(target))
     if pass_rows:
         monkeypatch.setattr(sparse_attn_kv_major, "PASS_BYTES", pass_rows * 4 * batch.q.shape[1] * batch.q.shape[2] *
@@ -585,7 +587,7 @@ def test_prefill_rows_by_kv_block(target, kv_dtype, scale_kind, pass_rows, monke
     ids = batch.index_prefill(impl=reference, topk=4)
     gen = torch.Generator().manual_seed(3)
     noise = torch.randint(-2, batch.block_table.shape[1] + 3, ids.shape, generator=gen, dtype=torch.int32)
-    ids = torch.where(torch.rand(ids.shape, generator=gen) < 0.3, noise.to(ids.device), ids)
+    ids = torch.where((torch.rand(ids.shape, generator=gen) < 0.3).to(ids.device), noise.to(ids.device), ids)
     ids[..., 1] = ids[..., 0]  # a repeated id counts once
     pad = 5
     q = torch.cat([batch.q, torch.randn_like(batch.q[:pad])])

@@ -29,10 +29,12 @@ from .launch import launch
 from .online_softmax import attend_keys
 from .rows import locate_prefill, prefill_request_rows
 
-# Pairs per chunk, and rows per launch pass: H200, 8k on a 120k prefix, random selections (the whole op, ms):
-# chunks of 64 / 128 / 256 pairs 0.637 / 0.687 / 0.713; at 128k 9.19 / 9.03 / 8.93.
+# Pairs per chunk: H200, 8k on a 120k prefix, random selections (the whole op, ms): chunks of 64 / 128 / 256 pairs
+# 0.637 / 0.687 / 0.713; at 128k 9.19 / 9.03 / 8.93.
 CHUNK = 64
-PASS_BYTES = 1 << 30
+# The pair outputs of a launch pass at most: 32k rows of 16 heads x 128 x 16 pairs in 16 bits (each pass costs
+# ~20 us of launches even where the tiles leave no row).
+PASS_BYTES = 2 << 30
 # Rows per tile of the rank and fill launches.
 RANK_ROWS = 16
 
@@ -73,12 +75,12 @@ def _valid_pairs(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, i, g, 
 
 
 @triton.jit
-def _pair_rank_kernel(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, BATCH, HKV, width, r0, r1,
+def _pair_rank_kernel(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, BATCH, HKV, width, r0, r1, i0,
                       count_ptr, rank_ptr, NB, R: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr,
                       TOPK_PAD: tl.constexpr, CHUNK: tl.constexpr, MARKED: tl.constexpr):
-    """Program (tile of R rows, KV head g): rank_ptr[g, row - r0, slot] = the pair's rank in its bucket (-1: not
-    a pair); count_ptr[0, bucket] counts the bucket's pairs, count_ptr[1, bucket] its chunks."""
-    i = tl.program_id(0)
+    """Program (tile i0 + program id of R rows, KV head g): rank_ptr[g, row - r0, slot] = the pair's rank in its
+    bucket (-1: not a pair); count_ptr[0, bucket] counts the bucket's pairs, count_ptr[1, bucket] its chunks."""
+    i = i0 + tl.program_id(0)
     g = tl.program_id(1)
     ok, bucket, t, own = _valid_pairs(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, i, g, BATCH, HKV,
                                       width, r0, r1, R, BS, TOPK, TOPK_PAD, MARKED)
@@ -90,13 +92,14 @@ def _pair_rank_kernel(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, B
 
 
 @triton.jit
-def _pair_fill_kernel(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, BATCH, HKV, width, r0, r1,
+def _pair_fill_kernel(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, BATCH, HKV, width, r0, r1, i0,
                       count_ptr, cum_ptr, rank_ptr, pair_ptr, table_ptr, max_chunks, NB, R: tl.constexpr,
                       BS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, CHUNK: tl.constexpr,
                       MARKED: tl.constexpr):
-    """Program (tile of R rows, KV head g): pair_ptr[bucket's first pair + rank] = (row - r0) x TOPK + slot;
-    table_ptr[:, chunk] = (bucket, first pair, pairs) for the chunk a rank that is a multiple of CHUNK starts."""
-    i = tl.program_id(0)
+    """Program (tile i0 + program id of R rows, KV head g): pair_ptr[bucket's first pair + rank] = (row - r0) x
+    TOPK + slot; table_ptr[:, chunk] = (bucket, first pair, pairs) for the chunk a rank that is a multiple of CHUNK
+    starts."""
+    i = i0 + tl.program_id(0)
     g = tl.program_id(1)
     ok, bucket, t, _ = _valid_pairs(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, i, g, BATCH, HKV,
                                     width, r0, r1, R, BS, TOPK, TOPK_PAD, MARKED)
@@ -115,7 +118,7 @@ def _pair_fill_kernel(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, B
 
 @triton.jit
 def _kv_major_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, bt_ptr, bt_sb, num_pages, cu_ptr,
-                          ctx_ptr, seq_ptr, BATCH, width, r0, table_ptr, max_chunks, total_ptr, pair_ptr, ks_ptr,
+                          ctx_ptr, seq_ptr, BATCH, width, r0, table_ptr, max_chunks, cum_ptr, NB, pair_ptr, ks_ptr,
                           ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, lse_ptr, H, G: tl.constexpr,
                           GP: tl.constexpr, TQ: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                           TOPK: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
@@ -123,7 +126,7 @@ def _kv_major_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, bt_ptr
     """Program per chunk entry: the block's K / V once, then TQ of the chunk's pairs x GP heads per step; each
     pair's output (normalized, o_ptr [rows, TOPK, H, D]) and log-sum-exp (lse_ptr [rows, TOPK, H], fp32)."""
     c = tl.program_id(0)
-    if c < tl.load(total_ptr):
+    if c < tl.load(cum_ptr + 2 * NB - 1):  # the chunk count
         bucket = tl.load(table_ptr + c)
         start = tl.load(table_ptr + max_chunks + c)
         n = tl.load(table_ptr + 2 * max_chunks + c)
@@ -245,13 +248,19 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
         max_pairs = kv_heads * rows * topk
         max_chunks = max_pairs // CHUNK + min(nb, max_pairs)
         counts = torch.zeros(2, nb, dtype=torch.int32, device=q.device)
-        ints = torch.empty(2 * max_pairs + 3 * max_chunks, dtype=torch.int32, device=q.device)
-        rank, pairs, table = ints[:max_pairs], ints[max_pairs:2 * max_pairs], ints[2 * max_pairs:]
+        # One allocation (host time per call) for the ranks, pair list, chunk table and the pairs' log-sum-exps.
+        ints = torch.empty(2 * max_pairs + 3 * max_chunks + rows * topk * num_heads, dtype=torch.int32,
+                           device=q.device)
+        rank, pairs = ints[:max_pairs], ints[max_pairs:2 * max_pairs]
+        table = ints[2 * max_pairs:2 * max_pairs + 3 * max_chunks]
+        part_lse = ints[2 * max_pairs + 3 * max_chunks:].view(torch.float32)
         part_o = torch.empty(rows, topk, num_heads, dim, dtype=q.dtype, device=q.device)
-        part_lse = torch.empty(rows, topk, num_heads, dtype=torch.float32, device=q.device)
-        # The rank / fill grids cover every tile of the batch (the pass's rows are located on the device).
-        grid = (cdiv(num_tokens, RANK_ROWS) + batch, kv_heads)
-        select = (topk_ids, *topk_ids.stride(), cu_seqlens_q, context_lens, mark_arg, batch, kv_heads, width, r0, r1)
+        # Tile i of R rows (numbered request by request) starts at a row in [(i - batch) x R, i x R]: the tiles
+        # that hold rows of the pass are among r0 // R ... cdiv(r1, R) + batch - 1.
+        i0 = r0 // RANK_ROWS
+        grid = (cdiv(r1, RANK_ROWS) + batch - i0, kv_heads)
+        select = (topk_ids, *topk_ids.stride(), cu_seqlens_q, context_lens, mark_arg, batch, kv_heads, width, r0, r1,
+                  i0)
         shape = dict(R=RANK_ROWS, BS=bs, TOPK=topk, TOPK_PAD=ids_pad(topk), CHUNK=CHUNK, MARKED=marked)
         launch(_pair_rank_kernel, grid, *select, counts, rank, nb, **shape, num_warps=4)
         cum = torch.cumsum(counts, 1, dtype=torch.int32)
@@ -259,7 +268,7 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
                num_warps=4)
         launch(_kv_major_attn_kernel, (max_chunks,), q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3],
                block_table, block_table.stride(0), num_pages, cu_seqlens_q, context_lens, seq_lens, batch, width, r0,
-               table, max_chunks, cum[1, -1:], pairs, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, part_o,
+               table, max_chunks, cum, nb, pairs, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, part_o,
                part_lse, num_heads, G=group, GP=gp, TQ=tq, BS=bs, D=dim, TOPK=topk, K_SCALE=sc.k_mode,
                V_SCALE=sc.v_mode, DOT_F32=dot_f32, num_warps=4, num_stages=1)
         launch(_merge_pairs_kernel, (rows, kv_heads), part_o, part_lse, rank, mark_arg, cu_seqlens_q, batch, r0,
