@@ -48,6 +48,19 @@ def attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptrs, vs_ptrs, slot_mas
 
 
 @triton.jit
+def softmax_multipliers(scale, v_factor, ks_ptr, vs_ptr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr):
+    """(k_mult, v_mult): the scores' factor in log2 units (the softmax runs on exp2) and the outputs' factor, each
+    with its one-element fp8 scale tensor folded in where K_SCALE / V_SCALE == 1."""
+    k_mult = scale * 1.4426950408889634
+    v_mult = v_factor
+    if K_SCALE == 1:
+        k_mult = k_mult * tl.load(ks_ptr)
+    if V_SCALE == 1:
+        v_mult = v_mult * tl.load(vs_ptr)
+    return k_mult, v_mult
+
+
+@triton.jit
 def store_rows(acc, m_i, l_i, t, heads, mask, o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, split, SPLITS, H,
                D: tl.constexpr, WRITE_OUT: tl.constexpr):
     """Store the (row t, query head) lanes under mask ([M]; t may be a scalar): with WRITE_OUT the output

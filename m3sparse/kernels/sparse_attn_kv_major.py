@@ -7,7 +7,7 @@ block for every row (8k on a 120k prefix: 8.6 GB of L2 traffic, 1.2 ms on the H2
 pairs are bucketed by (KV head, request, block) and cut into chunks of CHUNK pairs; a program loads its chunk's
 block once and computes the softmax of TQ rows x all query heads of the KV head per dot against it. What that
 costs instead: each pair's normalized output ([H, D] in the query dtype) and log-sum-exp go to memory and are
-read back by the merge (8k on 120k random: 0.64 ms for all of it; docs/perf-notes.md v21).
+read back by the merge (8k on 120k random: 0.70 ms for all of it; docs/perf-notes.md v21).
 
 Launches, all sync-free (buffers sized by the pair count's bound, Hkv x rows x k):
 1. ``_pair_rank_kernel``: each valid pair (a row's first occurrence of an id in the cache and at or before its
@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .common import cdiv, ids_pad, next_pow2
 from .launch import launch
-from .online_softmax import attend_keys
+from .online_softmax import attend_keys, softmax_multipliers
 from .rows import locate_prefill, prefill_request_rows
 
 # Pairs per chunk: H200, 8k on a 120k prefix, random selections (the whole op, ms): chunks of 64 / 128 / 256 pairs
@@ -148,12 +148,7 @@ def _kv_major_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, bt_ptr
         k = tl.load(base, mask=loaded[:, None], other=0.0)
         v = tl.load(base + D, mask=loaded[:, None], other=0.0)
         slot = page * BS + j
-        k_mult = scale * 1.4426950408889634  # log2(e): the softmax runs on exp2
-        v_mult = v_factor
-        if K_SCALE == 1:
-            k_mult = k_mult * tl.load(ks_ptr)
-        if V_SCALE == 1:
-            v_mult = v_mult * tl.load(vs_ptr)
+        k_mult, v_mult = softmax_multipliers(scale, v_factor, ks_ptr, vs_ptr, K_SCALE, V_SCALE)
         M: tl.constexpr = TQ * GP
         lane = tl.arange(0, M)
         h = lane % GP

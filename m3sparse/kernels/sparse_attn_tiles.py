@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .online_softmax import attend_keys, store_rows
+from .online_softmax import attend_keys, softmax_multipliers, store_rows
 from .rows import locate_prefill, prefill_request_rows
 
 
@@ -163,12 +163,7 @@ def _attend_union(entries, lo, hi, n_all, n_full, q_ptr, q_st, q_sh, kv_ptr, kv_
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
-    k_mult = scale * 1.4426950408889634  # log2(e): the softmax runs on exp2
-    v_mult = v_factor
-    if K_SCALE == 1:
-        k_mult = k_mult * tl.load(ks_ptr)
-    if V_SCALE == 1:
-        v_mult = v_mult * tl.load(vs_ptr)
+    k_mult, v_mult = softmax_multipliers(scale, v_factor, ks_ptr, vs_ptr, K_SCALE, V_SCALE)
     kv_off = tl.arange(0, BLOCK_N)[:, None] * kv_ss + d[None, :]
     all_end = tl.minimum(tl.maximum(n_all, lo), hi)
     mid = tl.minimum(tl.maximum(n_full, lo), hi)
