@@ -337,8 +337,9 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
         tiled = _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32,
                            prefill=(cu_seqlens_q, context_lens))
     # The tiles' rows left over (unions over max_union: selections the rows do not share) by KV block, where it
-    # fits: H200, random selections, ms (per-row kernel -> by KV block): 8k on 120k 1.20 -> 0.64, 32k 3.50 ->
-    # 2.21, 128k 16.5 -> 9.2 (docs/perf-notes.md v21).
+    # fits. H200, attention op, ms (per-row kernel -> by KV block): random selections 8k on 120k 1.24 -> 0.71, 32k
+    # 3.51 -> 2.52, 128k 16.5 -> 10.2; where the tiles leave no row, ~20 us of kernels and ~0.17 ms of host time
+    # (8k on 120k locality, eager and host-bound: 0.40 -> 0.51; docs/perf-notes.md v21).
     if block_table.shape[0] and kv_major_fits(q.shape[1] // kv_cache.shape[1], dot_f32, interpreting()):
         sparse_attn_kv_major(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, seq_lens, sc, out,
                              tiled, dot_f32)

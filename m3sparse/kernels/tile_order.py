@@ -25,6 +25,7 @@ from .common import cdiv, ids_pad
 from .launch import launch
 from .rows import locate_prefill
 
+
 @triton.jit
 def _or(a, b):
     return a | b
