@@ -601,6 +601,37 @@ def test_prefill_rows_by_kv_block(target, kv_dtype, scale_kind, pass_rows, monke
     assert (out[-pad:] == 0).all()
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests=st.lists(st.tuples(st.integers(0, 70), st.integers(1, 40)), min_size=1, max_size=3),
+       group=st.sampled_from([1, 2, 3, 8]), kv_heads=st.integers(1, 2), topk=st.integers(1, 5),
+       noise=st.sampled_from([0.0, 0.2, 0.6]), pass_rows=st.sampled_from([None, 5, 16]), seed=st.integers(0, 2**16))
+def test_prefill_by_kv_block_any_batch(target, requests, group, kv_heads, topk, noise, pass_rows, seed,
+                                       monkeypatch):
+    """Any batch's rows by KV block (max_union 0): request lengths, head groups (3: padded lanes), k, a share of
+    the ids replaced by noise, launch passes; against the reference, output poisoned first."""
+    from m3sparse.kernels import sparse_attn, sparse_attn_kv_major
+    from m3sparse.kernels.sparse_attn import sparse_attn_prefill
+    calls = []
+    kv_major = sparse_attn.sparse_attn_kv_major
+    monkeypatch.setattr(sparse_attn, "sparse_attn_kv_major", lambda *a: (calls.append(1), kv_major(*a))[1])
+    dtype = act_dtype(target) if target == "cuda" else torch.float16
+    batch = make_batch(requests=requests, heads=group * kv_heads, kv_heads=kv_heads, block_size=16,
+                       q_dtype=act_dtype(target), kv_dtype=dtype, seed=seed, device=device_of(target))
+    if pass_rows:
+        monkeypatch.setattr(sparse_attn_kv_major, "PASS_BYTES", pass_rows * topk * batch.q.shape[1] *
+                            batch.q.shape[2] * batch.q.element_size())
+    ids = batch.index_prefill(impl=reference, topk=topk)
+    gen = torch.Generator().manual_seed(seed)
+    junk = torch.randint(-2, batch.block_table.shape[1] + 2, ids.shape, generator=gen, dtype=torch.int32)
+    ids = torch.where((torch.rand(ids.shape, generator=gen) < noise).to(ids.device), junk.to(ids.device), ids)
+    out = torch.full_like(batch.q, float("nan"))
+    sparse_attn_prefill(batch.q, batch.kv_cache, ids, batch.block_table, **batch.prefill_meta(), scale=128 ** -0.5,
+                        out=out, k_scale=batch.k_scale, v_scale=batch.v_scale, max_union=0)
+    assert calls, "the KV-block launches did not run"
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    assert rel_err(out, batch.attn_prefill(ids, impl=reference)) <= attn_tol(target, dtype)
+
+
 def test_prefill_rows_of_large_head_groups_take_the_per_row_kernel(target, monkeypatch):
     """More than 64 query heads per KV head do not fit a KV-block dot: those rows go through the per-row
     kernel, which must then run (and match the reference)."""
