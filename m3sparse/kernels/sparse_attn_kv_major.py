@@ -210,11 +210,10 @@ def _merge_pairs_kernel(o_ptr, lse_ptr, rank_ptr, mark_ptr, cu_ptr, BATCH, r0, r
         total = tl.sum(tl.exp(lse - mx[None, :]), axis=0)
         acc = tl.zeros([GP, D], tl.float32)
         for s in tl.static_range(TOPK):
-            rank = tl.load(rank_ptr + (g * rows + t) * TOPK + s)
-            ok = h < tl.where(inside, tl.where(rank >= 0, G, 0), 0)
+            # Pair s's weights from the log-sum-exps already loaded (-inf, a weight of 0, where it is no pair).
+            w = tl.exp(tl.sum(tl.where(k[:, None] == s, lse, 0.0), axis=0) - mx)
             row = (t * TOPK + s).to(tl.int64) * H + head
-            w = tl.exp(tl.load(lse_ptr + row, mask=ok, other=float("-inf")) - mx)
-            acc += w[:, None] * tl.load(o_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(
+            acc += w[:, None] * tl.load(o_ptr + row[:, None] * D + d[None, :], mask=(w > 0)[:, None], other=0.0).to(
                 tl.float32)
         res = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(out_ptr + (r0 + t) * out_st + head[:, None] * out_sh + d[None, :], res.to(out_ptr.dtype.element_ty),
