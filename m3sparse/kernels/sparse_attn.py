@@ -340,7 +340,7 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
     # fits. H200, attention op, ms (per-row kernel -> by KV block): random selections 8k on 120k 1.24 -> 0.71, 32k
     # 3.51 -> 2.52, 128k 16.5 -> 10.2; where the tiles leave no row, ~20 us of kernels and ~0.17 ms of host time
     # (8k on 120k locality, eager and host-bound: 0.40 -> 0.51; docs/perf-notes.md v21).
-    if block_table.shape[0] and kv_major_fits(q.shape[1] // kv_cache.shape[1], dot_f32, interpreting()):
+    if block_table.shape[0] and kv_major_fits(q.shape[1] // kv_cache.shape[1], dot_f32):
         sparse_attn_kv_major(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, seq_lens, sc, out,
                              tiled, dot_f32)
         return out

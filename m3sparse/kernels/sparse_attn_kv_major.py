@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, ids_pad, next_pow2
+from .common import cdiv, ids_pad, interpreting, next_pow2
 from .launch import launch
 from .online_softmax import attend_keys, softmax_multipliers
 from .rows import locate_prefill, prefill_request_rows
@@ -39,10 +39,10 @@ PASS_BYTES = 2 << 30
 RANK_ROWS = 16
 
 
-def kv_major_fits(group: int, dot_f32: bool, interpret: bool) -> bool:
+def kv_major_fits(group: int, dot_f32: bool) -> bool:
     """Whether this launch can take a batch: TQ rows x the padded head group <= 64 lanes per dot, and 16-bit dots
     on a GPU (fp32 operands of a whole block would not fit in shared memory; the interpreter has no such limit)."""
-    return next_pow2(group) <= 64 and (interpret or not dot_f32)
+    return next_pow2(group) <= 64 and (interpreting() or not dot_f32)
 
 
 @triton.jit
