@@ -242,11 +242,14 @@ def distinct_blocks_per_tile(ids: torch.Tensor, cu: list[int], tile: int = 64) -
     return sum(counts) / max(1, len(counts))
 
 
-def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1, reps=10, dense=True,
-                  index_dtype=torch.bfloat16, fp8_queries=False):
-    """``requests`` sequences of ``tokens`` new tokens each on ``prefix`` cached ones, in one varlen batch.
-    ``fp8_queries``: the index op quantises its queries with ``quantize_index_q`` (timed with it)."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def prefill_inputs(tokens, prefix, heads, kv_heads, pattern="random", requests=1, index_dtype=torch.bfloat16,
+                   gen=None) -> dict:
+    """One prefill case of the bench, on the GPU: ``requests`` sequences of ``tokens`` new tokens each on ``prefix``
+    cached ones, in one varlen batch, index keys and queries built to give ``pattern``'s selections. Returns kv
+    (bf16 KV cache), ic (index cache of ``index_dtype``), ic_bf16 (the same index keys in bf16; None for a bf16
+    index cache), iq (bf16 index queries [T, Hkv, D]), q (bf16 [T, heads, D]), cu (query offsets, a list), positions
+    (the new tokens' positions) and meta (block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len)."""
+    gen = gen or torch.Generator(device="cuda").manual_seed(0)
     seq = prefix + tokens
     pages_per = -(-seq // BS)
     pages = requests * pages_per
@@ -254,7 +257,6 @@ def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1,
     kv.normal_(generator=gen)
     table = torch.randperm(pages, device="cuda", generator=gen).int().view(requests, pages_per)
     ic = m3sparse.new_index_cache(pages, index_dtype, device="cuda")
-    # The same keys in bf16, to count the rows whose selection the fp8 keys (and queries) change.
     ic_bf16 = m3sparse.new_index_cache(pages, torch.bfloat16, device="cuda") if index_dtype != torch.bfloat16 else None
     positions = torch.arange(prefix, seq, device="cuda")
     iq = []
@@ -266,12 +268,25 @@ def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1,
         if ic_bf16 is not None:
             ic_bf16[table[b].long()] = padded.view(pages_per, BS, D).bfloat16()
         iq.append(queries)
-    iq = torch.cat(iq).bfloat16().contiguous()
-    q = torch.randn(requests * tokens, heads, D, device="cuda", generator=gen).bfloat16()
     cu = [b * tokens for b in range(requests + 1)]
     meta = (table, torch.tensor(cu, dtype=torch.int32, device="cuda"),
             torch.full((requests,), seq, dtype=torch.int32, device="cuda"),
             torch.full((requests,), prefix, dtype=torch.int32, device="cuda"), tokens)
+    return dict(kv=kv, ic=ic, ic_bf16=ic_bf16, iq=torch.cat(iq).bfloat16().contiguous(),
+                q=torch.randn(requests * tokens, heads, D, device="cuda", generator=gen).bfloat16(), cu=cu,
+                positions=positions, meta=meta)
+
+
+def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1, reps=10, dense=True,
+                  index_dtype=torch.bfloat16, fp8_queries=False):
+    """``prefill_inputs``' case timed. ``fp8_queries``: the index op quantises its queries with
+    ``quantize_index_q`` (timed with it). ``ic_bf16`` counts the rows whose selection fp8 keys (and queries)
+    change."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    seq = prefix + tokens
+    case = prefill_inputs(tokens, prefix, heads, kv_heads, pattern, requests, index_dtype, gen)
+    kv, ic, ic_bf16, iq, q = case["kv"], case["ic"], case["ic_bf16"], case["iq"], case["q"]
+    cu, positions, meta = case["cu"], case["positions"], case["meta"]
     ids = torch.empty(kv_heads, requests * tokens, TOPK, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     iq8 = torch.empty(iq.shape, dtype=torch.float8_e4m3fn, device="cuda")
