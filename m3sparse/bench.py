@@ -277,6 +277,37 @@ def prefill_inputs(tokens, prefix, heads, kv_heads, pattern="random", requests=1
                 positions=positions, meta=meta)
 
 
+def _token_count(text: str) -> int:
+    """'8192', '8k' (x 1024) or '1M' (x 2**20)."""
+    scale = {"k": 1 << 10, "m": 1 << 20}.get(text[-1:].lower(), 1)
+    return int(text[:-1] if scale > 1 else text) * scale
+
+
+def parse_prefill_cases(text: str) -> list[tuple[int, int, int, int, str, int]]:
+    """``--prefill-cases``: comma-separated ``tokens:prefix:pattern[:heads/kv_heads[:requests]]`` items (tokens and
+    prefix as 8192, 8k or 1M; heads 16/1 and 1 request by default) -> (tokens, prefix, heads, kv_heads, pattern,
+    requests) tuples, the order ``bench_prefill`` takes them in. ValueError names the item that is wrong."""
+    cases = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        fields = item.split(":")
+        try:
+            if not 3 <= len(fields) <= 5:
+                raise ValueError("expected tokens:prefix:pattern[:heads/kv_heads[:requests]]")
+            tokens, prefix = _token_count(fields[0]), _token_count(fields[1])
+            heads, kv_heads = (int(x) for x in (fields[3] if len(fields) > 3 else "16/1").split("/"))
+            requests = int(fields[4]) if len(fields) > 4 else 1
+            if fields[2] not in PATTERNS:
+                raise ValueError(f"pattern must be one of {', '.join(PATTERNS)}")
+            if tokens < 1 or prefix < 0 or requests < 1 or kv_heads < 1 or heads % kv_heads:
+                raise ValueError("tokens and requests must be >= 1, prefix >= 0, heads a multiple of kv_heads")
+        except ValueError as e:
+            raise ValueError(f"--prefill-cases item {item!r}: {e}") from None
+        cases.append((tokens, prefix, heads, kv_heads, fields[2], requests))
+    if not cases:
+        raise ValueError("--prefill-cases: no case given")
+    return cases
+
+
 def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1, reps=10, dense=True,
                   index_dtype=torch.bfloat16, fp8_queries=False):
     """``prefill_inputs``' case timed. ``fp8_queries``: the index op quantises its queries with
@@ -391,6 +422,9 @@ def main(argv=None) -> None:
                         help="decode cases: the anchor table's, or requests {1,8,32,128} x context {4k,32k,128k} "
                              "x query tokens {1,4} (+ 1 request at 1M) for each --heads shape")
     parser.add_argument("--heads", default="16/1,64/4,8/1", help="head shapes of the full grid")
+    parser.add_argument("--prefill-cases", help="run these prefill cases instead of the anchor grid's: "
+                        "comma-separated tokens:prefix:pattern[:heads/kv_heads[:requests]], e.g. "
+                        "128k:0:locality,8k:120k:random")
     parser.add_argument("--json", help="write the raw rows here")
     parser.add_argument("--index-cache-dtype", choices=["bfloat16", "fp8_e4m3"], default="bfloat16",
                         help="dtype of the index-key cache")
@@ -401,6 +435,10 @@ def main(argv=None) -> None:
     fp8_queries = args.index_query_dtype == "fp8_e4m3"
     if fp8_queries and args.index_cache_dtype != "fp8_e4m3":
         parser.error("--index-query-dtype fp8_e4m3 needs --index-cache-dtype fp8_e4m3")
+    try:
+        chosen_prefill = parse_prefill_cases(args.prefill_cases) if args.prefill_cases else None
+    except ValueError as e:
+        parser.error(str(e))
     if not torch.cuda.is_available():
         raise SystemExit("bench needs a CUDA GPU")
     props = torch.cuda.get_device_properties(0)
@@ -413,10 +451,12 @@ def main(argv=None) -> None:
         decode_cases = [(r, c, q, h, kv) for h, kv in shapes for q in (1, 4) for r in (1, 8, 32, 128)
                         for c in (4096, 32768, 131072)] + [(1, 1 << 20, q, h, kv) for h, kv in shapes for q in (1, 4)]
     prefill_cases = [(t, p, h, kv, pattern, r) for (t, p, h, kv, r) in PREFILL_SHAPES for pattern in PATTERNS]
+    if args.prefill_cases:
+        prefill_cases = chosen_prefill
     if args.quick:
         decode_cases = [(1, 32768, 1, 16, 1), (8, 131072, 1, 16, 1), (32, 131072, 1, 16, 1),
                         (128, 32768, 1, 16, 1), (32, 131072, 4, 16, 1), (1, 32768, 1, 64, 4)]
-        prefill_cases = []
+        prefill_cases = chosen_prefill or []
     results = {"decode": [], "prefill": []}
     _warm_up_gpu()
     index_dtype = torch.float8_e4m3fn if args.index_cache_dtype == "fp8_e4m3" else torch.bfloat16

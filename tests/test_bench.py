@@ -1,0 +1,21 @@
+"""The bench's command line on a CPU: the prefill case list it parses (the timings themselves need a GPU)."""
+from __future__ import annotations
+
+import pytest
+
+from m3sparse.bench import parse_prefill_cases
+
+
+def test_prefill_cases_parse_sizes_heads_and_requests():
+    assert parse_prefill_cases("128k:0:locality, 8192:120k:random:64/4:2,1M:2k:overlap") == [
+        (131072, 0, 16, 1, "locality", 1), (8192, 122880, 64, 4, "random", 2), (1048576, 2048, 16, 1, "overlap", 1)]
+
+
+@pytest.mark.parametrize("text, word", [
+    ("8k:0:foo", "pattern"), ("8k:0", "tokens:prefix:pattern"), ("8k:0:random:16/3", "multiple"),
+    ("0:0:random", ">= 1"), ("8k:-1:random", "prefix"), ("8k:0:random:16/1:0", "requests"), ("8x:0:random", "8x"),
+    (" , ", "no case")])
+def test_prefill_cases_reject_bad_items(text, word):
+    with pytest.raises(ValueError, match=word) as info:
+        parse_prefill_cases(text)
+    assert "--prefill-cases" in str(info.value)
