@@ -3,7 +3,8 @@
     python benchmarks/prefill_variants.py 131072:0:random 8192:122880:locality \
         --variant "1g=m3sparse.kernels.sparse_attn_kv_major.PASS_BYTES=1<<30" --profile
 
-Each case is ``tokens:prefix:pattern`` (16 query heads, 1 KV head; ``bench``'s inputs). Each variant sets module
+Each case is ``tokens:prefix:pattern[:heads/kv_heads[:requests]]`` as ``bench --prefill-cases`` takes them
+(``bench``'s inputs). Each variant sets module
 attributes (``module.NAME=value``, ";"-separated; values are Python literals or ``1<<30``-style shifts) for its
 calls and restores them after; the shipped settings run first. Variants alternate over ``--rounds`` rounds; each
 prints its minimum over rounds of the median of back-to-back calls (``bench``'s timing), and how its output differs
@@ -67,7 +68,7 @@ def _profile(fn, calls: int = 5) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("cases", nargs="+", help="tokens:prefix:pattern")
+    parser.add_argument("cases", nargs="+", help="tokens:prefix:pattern[:heads/kv_heads[:requests]]")
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME=module.attr=value[;module.attr=value...]")
     parser.add_argument("--op", choices=["attend", "index"], default="attend")
@@ -78,9 +79,13 @@ def main() -> None:
     variants = [("shipped", [])] + [(v.split("=", 1)[0], _settings(v.split("=", 1)[1])) for v in args.variant]
     index_dtype = torch.float8_e4m3fn if args.index_cache_dtype == "fp8_e4m3" else torch.bfloat16
     bench._warm_up_gpu()
-    for spec in args.cases:
-        tokens, prefix, pattern = spec.split(":")
-        case = bench.prefill_inputs(int(tokens), int(prefix), 16, 1, pattern, index_dtype=index_dtype)
+    try:
+        cases = bench.parse_prefill_cases(",".join(args.cases))
+    except ValueError as e:
+        parser.error(str(e))
+    for tokens, prefix, heads, kv_heads, pattern, requests in cases:
+        spec = f"{requests} x {tokens} on {prefix}, {heads}/{kv_heads} heads, {pattern}"
+        case = bench.prefill_inputs(tokens, prefix, heads, kv_heads, pattern, requests, index_dtype)
         meta = case["meta"]
         ids = m3sparse.index_topk_prefill(case["iq"], case["ic"], *meta)
         if args.op == "attend":
@@ -89,7 +94,7 @@ def main() -> None:
         else:
             out = torch.empty_like(ids)
             op = lambda: m3sparse.index_topk_prefill(case["iq"], case["ic"], *meta, out=out)  # noqa: E731
-        reps = 10 if int(tokens) >= 131072 else 30
+        reps = 10 if tokens >= 131072 else 30
         times = {name: [] for name, _ in variants}
         diffs = {}
         reference = None

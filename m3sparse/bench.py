@@ -450,9 +450,8 @@ def main(argv=None) -> None:
         shapes = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
         decode_cases = [(r, c, q, h, kv) for h, kv in shapes for q in (1, 4) for r in (1, 8, 32, 128)
                         for c in (4096, 32768, 131072)] + [(1, 1 << 20, q, h, kv) for h, kv in shapes for q in (1, 4)]
-    prefill_cases = [(t, p, h, kv, pattern, r) for (t, p, h, kv, r) in PREFILL_SHAPES for pattern in PATTERNS]
-    if args.prefill_cases:
-        prefill_cases = chosen_prefill
+    prefill_cases = chosen_prefill or [(t, p, h, kv, pattern, r) for (t, p, h, kv, r) in PREFILL_SHAPES
+                                       for pattern in PATTERNS]
     if args.quick:
         decode_cases = [(1, 32768, 1, 16, 1), (8, 131072, 1, 16, 1), (32, 131072, 1, 16, 1),
                         (128, 32768, 1, 16, 1), (32, 131072, 4, 16, 1), (1, 32768, 1, 64, 4)]
