@@ -249,7 +249,7 @@ def prefill_inputs(tokens, prefix, heads, kv_heads, pattern="random", requests=1
     (bf16 KV cache), ic (index cache of ``index_dtype``), ic_bf16 (the same index keys in bf16; None for a bf16
     index cache), iq (bf16 index queries [T, Hkv, D]), q (bf16 [T, heads, D]), cu (query offsets, a list), positions
     (the new tokens' positions) and meta (block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len)."""
-    gen = gen or torch.Generator(device="cuda").manual_seed(0)
+    gen = gen if gen is not None else torch.Generator(device="cuda").manual_seed(0)
     seq = prefix + tokens
     pages_per = -(-seq // BS)
     pages = requests * pages_per
