@@ -33,12 +33,14 @@ def _tile_lanes(nrows, LANES: tl.constexpr, WIDTH: tl.constexpr, USED: tl.conste
 
 @triton.jit
 def _tile_rows(r, live, row0, pos0, order_ptr, HKV, g, ORDERED: tl.constexpr):
-    """(row, position) of tile row r, the tile's slot row0 + r. ORDERED (prefill): the row ``tile_order`` put in
-    that slot, at position row + pos0; else row0 + r at pos0 + r (decode: a request's consecutive rows)."""
+    """(row, position) of tile row r, the tile's slot row0 + r, for pos0 = the request's position - row index:
+    ORDERED, the row ``tile_order`` put in that slot; else the slot's own row (consecutive rows: decode, and
+    prefill without an order)."""
     if ORDERED:
         row = tl.load(order_ptr + (row0 + r) * HKV + g, mask=live, other=0)
-        return row, row + pos0
-    return row0 + r, pos0 + r
+    else:
+        row = row0 + r
+    return row, row + pos0
 
 
 @triton.jit
@@ -189,15 +191,16 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
                               TQ: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                               TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr,
                               V_SCALE: tl.constexpr, DOT_F32: tl.constexpr, IS_DECODE: tl.constexpr,
-                              WRITE_OUT: tl.constexpr, BUILD_UNION: tl.constexpr, ATTEND: tl.constexpr):
+                              WRITE_OUT: tl.constexpr, BUILD_UNION: tl.constexpr, ATTEND: tl.constexpr,
+                              ORDERED: tl.constexpr):
     """One program per (query tile, KV head, split): write the tile's block union (union_ptr: per-program
     scratch [tiles, Hkv, SPLITS, 3, N]), then attend over the split's share of the union if it has at most
     MAX_UNION blocks. Prefill: tile i of a request is its slots (i - first tile) x TQ ..., whose rows
-    ``tile_order`` wrote to order_ptr ([T, Hkv] int32). BUILD_UNION alone (prefill): only the union (split 0's
-    scratch), its (size, n_all, n_full) and the tile's (first slot, rows, position - row index) (count_ptr
-    [6, tiles, Hkv], int64; size -1 on the grid's tail) and a mark on the rows of tiles the attention will compute
-    (row_ptr [T, Hkv], int8: the per-row kernel computes the others); ATTEND alone: only the attention, over what
-    such a launch wrote. Decode: tile b is request b's DQL rows (positions seq_lens[b] - DQL ...); with SPLITS > 1
+    ``tile_order`` wrote to order_ptr ([T, Hkv] int32) where ORDERED, else the slots' own rows. BUILD_UNION alone
+    (prefill): only the union (split 0's scratch), its (size, n_all, n_full) and the tile's (first slot, rows,
+    position - row index) (count_ptr [6, tiles, Hkv], int64; size -1 on the grid's tail) and a mark on the rows of
+    tiles the attention will compute (row_ptr [T, Hkv], int8: the per-row kernel computes the others); ATTEND alone:
+    only the attention, over what such a launch wrote. Decode: tile b is request b's DQL rows (positions seq_lens[b] - DQL ...); with SPLITS > 1
     the partials go to m/l/acc_ptr [T, SPLITS, H(, D)]."""
     N: tl.constexpr = TQ * TOPK_PAD
     i = tl.program_id(0)
@@ -215,7 +218,7 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
         if IS_DECODE:
             row0 = b * DQL
             nrows = DQL
-            pos0 = tl.load(seq_ptr + b) - DQL
+            pos0 = tl.load(seq_ptr + b) - DQL - row0
         else:
             req_row0, req_rows, req_first = prefill_request_rows(b, cu_ptr, ctx_ptr)
             before = (i - first_tile) * TQ  # rows of the request before this tile
@@ -229,7 +232,7 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
             entries = union_ptr + (tile_id * SPLITS + (split if ATTEND else 0)) * 3 * N
             count, n_all, n_full = _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_ptr + b * bt_sb,
                                                       width, num_pages, g, row0, nrows, pos0, order_ptr, HKV, TQ,
-                                                      TOPK, TOPK_PAD, BS, not IS_DECODE)
+                                                      TOPK, TOPK_PAD, BS, ORDERED)
             if ATTEND:
                 tl.debug_barrier()  # every thread's entries are visible to the whole program before they are read
             else:
@@ -242,7 +245,7 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
                 tl.store(count_ptr + 4 * num_tiles + tile_id, nrows)
                 tl.store(count_ptr + 5 * num_tiles + tile_id, pos0)
                 rr = tl.arange(0, TQ)
-                t, _ = _tile_rows(rr, rr < nrows, row0, pos0, order_ptr, HKV, g, True)
+                t, _ = _tile_rows(rr, rr < nrows, row0, pos0, order_ptr, HKV, g, ORDERED)
                 mark = tl.zeros([TQ], tl.int8) + (count <= MAX_UNION).to(tl.int8)
                 tl.store(row_ptr + t * HKV + g, mark, mask=rr < nrows)
         else:
@@ -257,4 +260,4 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
                 _attend_union(entries, lo, tl.minimum(count, lo + per_split), n_all, n_full, q_ptr, q_st, q_sh,
                               kv_ptr, kv_sp, kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st,
                               o_sh, m_ptr, l_ptr, acc_ptr, split, SPLITS, G * HKV, g, row0, nrows, pos0, order_ptr,
-                              HKV, G, GP, TQ, BS, BLOCK_N, D, N, K_SCALE, V_SCALE, DOT_F32, WRITE_OUT, not IS_DECODE)
+                              HKV, G, GP, TQ, BS, BLOCK_N, D, N, K_SCALE, V_SCALE, DOT_F32, WRITE_OUT, ORDERED)

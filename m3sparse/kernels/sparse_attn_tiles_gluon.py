@@ -48,6 +48,14 @@ def gluon_tiles_fit(q: torch.Tensor, kv_cache: torch.Tensor, tq: int, k_mode: in
 
 
 @gluon.jit
+def _slot_rows(order_ptr, row0, slot, live, HKV, g, ORDERED: gl.constexpr):
+    """The rows in the tile's slots row0 + slot: ORDERED, those ``tile_order`` wrote; else the slots' own."""
+    if ORDERED:
+        return gl.load(order_ptr + (row0 + slot) * HKV + g, mask=live, other=0)
+    return row0 + slot
+
+
+@gluon.jit
 def _chunk_page(entries, chunk, n_chunks, N: gl.constexpr, SUB: gl.constexpr):
     """The page of chunk ``chunk``'s block (-1 past the n_chunks)."""
     return gl.load(entries + N + gl.minimum(chunk // SUB, N - 1), mask=chunk < n_chunks, other=-1).to(gl.int32)
@@ -125,11 +133,12 @@ def _fold_chunk(j, s_regs, next_page, q, k_smem, v_smem, bars, kv_desc, entries,
 def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count_ptr, order_ptr, HKV, MAX_UNION,
                                     scale, v_factor, o_ptr, o_st, o_sh, G: gl.constexpr, TQ: gl.constexpr,
                                     BS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, N: gl.constexpr,
-                                    STAGES: gl.constexpr):
+                                    STAGES: gl.constexpr, ORDERED: gl.constexpr):
     """One program per (query tile, KV head): attention of the tile's M = TQ x G rows over the union the union
     launch wrote (union_ptr: [tiles, Hkv, 1, 3, N]; count_ptr: [6, tiles, Hkv] int64 = union size (-1: no
     tile), n_all, n_full, first slot, rows, position - row index), if it has at most MAX_UNION blocks. The tile's
-    rows are those ``tile_order`` put in its slots (order_ptr: [T, Hkv] int32)."""
+    rows are those ``tile_order`` put in its slots (order_ptr: [T, Hkv] int32) where ORDERED, else the slots'
+    own."""
     M: gl.constexpr = TQ * G
     SUB: gl.constexpr = BS // BLOCK_N
     i = gl.program_id(0)
@@ -172,7 +181,7 @@ def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count
         rl = gl.arange(0, M, layout=gl.SliceLayout(1, ld))
         dl = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
         live_l = (rl // G) < nrows
-        t_l = gl.load(order_ptr + (row0 + rl // G) * HKV + g, mask=live_l, other=0)
+        t_l = _slot_rows(order_ptr, row0, rl // G, live_l, HKV, g, ORDERED)
         q = gl.load(q_ptr + t_l[:, None] * q_st + (g * G + rl % G)[:, None] * q_sh + dl[None, :],
                     mask=live_l[:, None], other=0.0)
         q = gl.convert_layout(q, q_op)
@@ -181,7 +190,7 @@ def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count
         # made ptxas serialise the wgmmas at G = 8.
         r = gl.arange(0, M, layout=rows_s)
         live_s = (r // G) < nrows
-        pos = gl.load(order_ptr + (row0 + r // G) * HKV + g, mask=live_s, other=0) + pos0
+        pos = _slot_rows(order_ptr, row0, r // G, live_s, HKV, g, ORDERED) + pos0
         last_pos = gl.max(gl.where(live_s, pos, -1), axis=0)
         jn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         v_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
@@ -201,7 +210,7 @@ def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count
         ro = gl.arange(0, M, layout=rows_o)
         do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
         live_o = (ro // G) < nrows
-        t_o = gl.load(order_ptr + (row0 + ro // G) * HKV + g, mask=live_o, other=0)
+        t_o = _slot_rows(order_ptr, row0, ro // G, live_o, HKV, g, ORDERED)
         l_o = gl.convert_layout(l_i, rows_o)
         o = acc * (v_factor / gl.where(l_o > 0, l_o, 1.0))[:, None]
         gl.store(o_ptr + t_o[:, None] * o_st + (g * G + ro % G)[:, None] * o_sh + do[None, :],
@@ -215,9 +224,11 @@ def _smem_layout(dtype: torch.dtype, dim: int):
                                                 else gl.float16)
 
 
-def sparse_attn_tiles_hopper(q, kv_cache, union, counts, order, tiles, tq, n, max_union, scale, v_factor, out):
+def sparse_attn_tiles_hopper(q, kv_cache, union, counts, order, tiles, tq, n, max_union, scale, v_factor, out,
+                             ordered):
     """Launch over the ``tiles`` x Hkv unions of a prefill batch, each of n = tq x k_pad entries (``_tile_attn``'s
-    union launch wrote them and ``counts``; ``order``: the rows of the tiles' slots)."""
+    union launch wrote them and ``counts``; ``order``: the rows of the tiles' slots where ``ordered``, else
+    unread)."""
     pages, kv_heads, bs, width = kv_cache.shape
     dim = width // 2
     rows = kv_cache.view(pages * kv_heads * bs, width)
@@ -225,4 +236,4 @@ def sparse_attn_tiles_hopper(q, kv_cache, union, counts, order, tiles, tq, n, ma
     # The descriptor's dtype is q's (checked by gluon_tiles_fit), which is part of launch()'s specialization key.
     launch(sparse_attn_tiles_hopper_kernel, (tiles, kv_heads), q, q.stride(0), q.stride(1), desc, union, counts,
            order, kv_heads, max_union, scale, v_factor, out, out.stride(0), out.stride(1), G=q.shape[1] // kv_heads,
-           TQ=tq, BS=bs, BLOCK_N=BLOCK_N, D=dim, N=n, STAGES=STAGES, num_warps=4)
+           TQ=tq, BS=bs, BLOCK_N=BLOCK_N, D=dim, N=n, STAGES=STAGES, ORDERED=ordered, num_warps=4)

@@ -42,9 +42,9 @@ def _popcount32(x):
 
 @triton.jit
 def _tile_order_kernel(ids_ptr, id_sh, id_st, id_sk, cu_ptr, BATCH, HKV, order_ptr, GROUP: tl.constexpr,
-                       TQ: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, GREEDY: tl.constexpr):
+                       TQ: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr):
     """One program per (group of GROUP rows of one request, KV head): order_ptr[(first row + s) x Hkv + g] = the
-    row that takes slot s of the group (tile t holds slots t x TQ ...). GREEDY off: the identity."""
+    row that takes slot s of the group (tile t holds slots t x TQ ...)."""
     grp = tl.program_id(0)
     g = tl.program_id(1)
     b, first_grp = locate_prefill(grp, cu_ptr, BATCH, GROUP, True)
@@ -54,42 +54,36 @@ def _tile_order_kernel(ids_ptr, id_sh, id_st, id_sk, cu_ptr, BATCH, HKV, order_p
         row0 = req_row0 + (grp - first_grp) * GROUP
         n = tl.minimum(req_rows - (grp - first_grp) * GROUP, GROUP)
         r = tl.arange(0, GROUP)
-        if GREEDY:
-            k = tl.arange(0, TOPK_PAD)
-            ids = tl.load(ids_ptr + g * id_sh + (row0 + r)[:, None] * id_st + k[None, :] * id_sk,
-                          mask=(r < n)[:, None] & (k < TOPK)[None, :], other=-1)
-            # Fibonacci hashing: the top 5 bits of id x 2^32 / golden ratio spread neighbouring ids apart.
-            bit = ((ids * -1640531535) >> 27) & 31
-            sig = tl.reduce(tl.where(ids >= 0, 1 << bit, 0), 1, _or)
-            size = _popcount32(sig)
-            sig64 = sig.to(tl.int64) & 0xFFFFFFFF
-            placed = r >= n
-            union = tl.zeros([], tl.int32)
-            for s in range(0, n):
-                shared = _popcount32(sig & union)
-                # shared x 32 - added, offset to be >= 0; a tile's first row: the first one not placed.
-                score = tl.where(s % TQ == 0, 0, shared * 33 - size + 32)
-                # One max picks the best score, among equal ones the lowest row, and brings that row's signature.
-                key = (((score << 8) | (GROUP - 1 - r)).to(tl.int64) << 32) | sig64
-                best = tl.max(tl.where(placed, -1, key), 0)
-                j = GROUP - 1 - ((best >> 32) & 255).to(tl.int32)
-                tl.store(order_ptr + (row0 + s) * HKV + g, row0 + j)
-                placed = placed | (r == j)
-                picked = (best & 0xFFFFFFFF).to(tl.int32)
-                union = tl.where(s % TQ == 0, picked, union | picked)
-        else:
-            tl.store(order_ptr + (row0 + r) * HKV + g, row0 + r, mask=r < n)
+        k = tl.arange(0, TOPK_PAD)
+        ids = tl.load(ids_ptr + g * id_sh + (row0 + r)[:, None] * id_st + k[None, :] * id_sk,
+                      mask=(r < n)[:, None] & (k < TOPK)[None, :], other=-1)
+        # Fibonacci hashing: the top 5 bits of id x 2^32 / golden ratio spread neighbouring ids apart.
+        bit = ((ids * -1640531535) >> 27) & 31
+        sig = tl.reduce(tl.where(ids >= 0, 1 << bit, 0), 1, _or)
+        size = _popcount32(sig)
+        sig64 = sig.to(tl.int64) & 0xFFFFFFFF
+        placed = r >= n
+        union = tl.zeros([], tl.int32)
+        for s in range(0, n):
+            shared = _popcount32(sig & union)
+            # shared x 32 - added, offset to be >= 0; a tile's first row: the first one not placed.
+            score = tl.where(s % TQ == 0, 0, shared * 33 - size + 32)
+            # One max picks the best score, among equal ones the lowest row, and brings that row's signature.
+            key = (((score << 8) | (GROUP - 1 - r)).to(tl.int64) << 32) | sig64
+            best = tl.max(tl.where(placed, -1, key), 0)
+            j = GROUP - 1 - ((best >> 32) & 255).to(tl.int32)
+            tl.store(order_ptr + (row0 + s) * HKV + g, row0 + j)
+            placed = placed | (r == j)
+            picked = (best & 0xFFFFFFFF).to(tl.int32)
+            union = tl.where(s % TQ == 0, picked, union | picked)
 
 
 def order_tile_rows(topk_ids: torch.Tensor, cu_seqlens_q: torch.Tensor, batch: int, num_tokens: int, tq: int,
                     order: torch.Tensor, group: int) -> None:
-    """Write to ``order`` ([T, Hkv] int32) the row of each tile slot of a prefill batch (tiles of ``tq`` slots,
+    """Write to ``order`` ([T, Hkv] int32) the row of each tile slot of a prefill batch (tiles of ``tq`` > 1 slots,
     ``topk_ids`` [Hkv, T, k]): the greedy order within each ``group`` rows of a request (a power of two, a
-    multiple of ``tq``), or the identity for ``group`` 0 or tiles of one row."""
+    multiple of ``tq``). Tiles of consecutive rows need no order: the tile kernels read their rows directly."""
     kv_heads, _, topk = topk_ids.shape
-    greedy = group > 0 and tq > 1
-    group = group if greedy else 128
-    assert group % tq == 0 and group & (group - 1) == 0, "a tile's slots must stay inside one group"
+    assert tq > 1 and group % tq == 0 and group & (group - 1) == 0, "a tile's slots must stay inside one group"
     launch(_tile_order_kernel, (cdiv(num_tokens, group) + batch, kv_heads), topk_ids, *topk_ids.stride(),
-           cu_seqlens_q, batch, kv_heads, order, GROUP=group, TQ=tq, TOPK=topk, TOPK_PAD=ids_pad(topk),
-           GREEDY=greedy, num_warps=1)
+           cu_seqlens_q, batch, kv_heads, order, GROUP=group, TQ=tq, TOPK=topk, TOPK_PAD=ids_pad(topk), num_warps=1)
