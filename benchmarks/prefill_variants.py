@@ -4,9 +4,8 @@
         --variant "1g=m3sparse.kernels.sparse_attn_kv_major.PASS_BYTES=1<<30" --profile
 
 Each case is ``tokens:prefix:pattern[:heads/kv_heads[:requests]]`` as ``bench --prefill-cases`` takes them
-(``bench``'s inputs). Each variant sets module
-attributes (``module.NAME=value``, ";"-separated; values are Python literals or ``1<<30``-style shifts) for its
-calls and restores them after; the shipped settings run first. Variants alternate over ``--rounds`` rounds; each
+(``bench``'s inputs). Each variant sets module attributes (``module.NAME=value``, ";"-separated; values are Python
+literals or ``1<<30``-style shifts) for its calls and restores them after; the shipped settings run first. Variants alternate over ``--rounds`` rounds; each
 prints its minimum over rounds of the median of back-to-back calls (``bench``'s timing), and how its output differs
 from the shipped settings' (attention: max |diff| / max |shipped|; index: share of rows whose sets differ).
 ``--profile``: the shipped op's kernels by time (torch.profiler, mean per call).
@@ -94,7 +93,7 @@ def main() -> None:
         else:
             out = torch.empty_like(ids)
             op = lambda: m3sparse.index_topk_prefill(case["iq"], case["ic"], *meta, out=out)  # noqa: E731
-        reps = 10 if tokens >= 131072 else 30
+        reps = bench.prefill_reps(tokens)
         times = {name: [] for name, _ in variants}
         diffs = {}
         reference = None

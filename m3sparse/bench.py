@@ -308,6 +308,11 @@ def parse_prefill_cases(text: str) -> list[tuple[int, int, int, int, str, int]]:
     return cases
 
 
+def prefill_reps(tokens: int) -> int:
+    """Timed calls per prefill op: 30, 10 from 128k tokens (a 128k call takes ~10 ms)."""
+    return 10 if tokens >= 131072 else 30
+
+
 def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1, reps=10, dense=True,
                   index_dtype=torch.bfloat16, fp8_queries=False):
     """``prefill_inputs``' case timed. ``fp8_queries``: the index op quantises its queries with
@@ -466,7 +471,7 @@ def main(argv=None) -> None:
         print(decode_table(results["decode"]), flush=True)
     if args.what in ("prefill", "all"):
         for case in prefill_cases:
-            results["prefill"].append(bench_prefill(*case, reps=10 if case[0] >= 131072 else 30,
+            results["prefill"].append(bench_prefill(*case, reps=prefill_reps(case[0]),
                                                     dense=case[4] == PATTERNS[0], index_dtype=index_dtype,
                                                     fp8_queries=fp8_queries))
             torch.cuda.empty_cache()
