@@ -766,6 +766,25 @@ def test_decode_attention_splits(target, splits, kv_dtype, rows_together):
     assert_decode_attention_matches_reference(target, kv_dtype, splits, splits=splits, rows_together=rows_together)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+def test_decode_attention_half_block_splits(target, kv_dtype, monkeypatch):
+    """Rows too few to fill the GPU with a block per program: 2 x k programs per row, each over half a block,
+    merged exactly, against the reference; padding rows 0."""
+    import m3sparse.kernels.sparse_attn as SA
+    launches = []
+    real = SA.launch
+
+    def spy(kernel, grid, *args, **meta):
+        if kernel is SA._sparse_attn_kernel:
+            launches.append((grid[2], meta["BLOCK_N"], meta["BS"], meta["TOPK"]))
+        return real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(SA, "launch", spy)
+    assert_decode_attention_matches_reference(target, kv_dtype, 40, splits=1000, rows_together=False)
+    assert [(splits, 2 * block_n) for splits, block_n, _, _ in launches] == [(2 * k, bs) for _, _, bs, k in launches]
+    assert launches, "no per-row launch"
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_attention_in_key_chunks(target, splits, kv_dtype, monkeypatch):
