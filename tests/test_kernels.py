@@ -231,6 +231,35 @@ def test_decode_selection_by_block_groups(target, name, selection, monkeypatch):
     assert_same_selection(batch, got.cpu(), ref.cpu(), **sel, tol=2e-2 if target == "cuda" else 1e-4)
 
 
+@pytest.mark.parametrize("selection", [(5, 2, 1), (4, 0, 0)])
+def test_decode_selection_in_a_wide_block_table(target, selection, monkeypatch):
+    """Decode selection with the index block table padded by -1 columns to many times the longest row, as a
+    serving engine's (max_model_len wide): each row's own block picks the pass width (SELECT_ONE_PASS_MAX_BLOCKS,
+    lowered here, x 1, 4, 16, or the whole table), with rows in every one of them, against the reference."""
+    from m3sparse.kernels import index_topk
+    one_pass = 64 if target == "cuda" else 8
+    monkeypatch.setattr(index_topk, "SELECT_ONE_PASS_MAX_BLOCKS", one_pass)
+    bs = 128 if target == "cuda" else 16
+    # own blocks below 1, 4 and 16 passes and beyond, and a padding request
+    lengths = [one_pass * f * bs - bs // 2 for f in (1, 4, 16)] + [20 * one_pass * bs, 0]
+    spec = dict(requests=[(n - 1, 1) if n else (-1, 1) for n in lengths], block_size=bs, decode_query_len=1,
+                q_dtype=act_dtype(target))
+    if target == "cuda":
+        spec.update(heads=16, kv_heads=1)
+    batch = make_batch(**spec, seed=11, device=device_of(target))
+    topk, local_blocks, init_blocks = selection
+    sel = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
+    table = batch.index_block_table
+    wide = torch.full((table.shape[0], 64 * one_pass), -1, dtype=table.dtype, device=table.device)
+    wide[:, :table.shape[1]] = table
+    meta = batch.decode_meta()
+    got = poisoned_ids(batch.kv_heads, batch.q.shape[0], topk, batch.q.device)
+    index_topk.index_topk_decode(batch.index_q, batch.index_cache, wide, meta["seq_lens"], 1, topk, local_blocks,
+                                 init_blocks, got)
+    ref = batch.index_decode(impl=reference, **sel)
+    assert_same_selection(batch, got.cpu(), ref.cpu(), **sel, tol=2e-2 if target == "cuda" else 1e-4)
+
+
 @pytest.mark.parametrize("decode", [True, False])
 @pytest.mark.parametrize("queries", ["fp16-values", "some-not-fp16"])
 def test_fp8_index_keys_score_any_queries(target, decode, queries):

@@ -167,9 +167,32 @@ def _block_scores_kernel(iq_ptr, iq_st, iq_sh, ik_ptr, ik_sp, ik_ss, bt_ptr, bt_
 
 
 @triton.jit
+def _best_blocks(row, width, c, LOCAL, INIT, K_PAD: tl.constexpr, NB_PAD: tl.constexpr, T: tl.constexpr,
+                 GROUP: tl.constexpr):
+    """The K_PAD best packed keys (``block_keys``, ids packed for NB_PAD) of a row's blocks [0, T), of which at
+    most ``width`` were scored; T must exceed the row's own block c."""
+    if GROUP == 1:
+        blk = tl.arange(0, T)
+        s = tl.load(row + blk, mask=blk < width, other=0.0)
+        top = tl.topk(packed_block_key(s, blk, c, LOCAL, INIT, NB_PAD), K_PAD)
+    else:
+        # Long rows: at most k groups of GROUP blocks hold a block at or above the k-th key, and those groups
+        # have the k best maxima; so pick those groups, then the k best of their blocks.
+        NG: tl.constexpr = T // GROUP
+        blk = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        s = tl.load(row + blk, mask=blk < width, other=0.0)
+        best = tl.topk(tl.max(packed_block_key(s, blk, c, LOCAL, INIT, NB_PAD), axis=1), K_PAD)
+        # A pick of key 0 (fewer than k groups see a block; NG >= k) names the last group, which sees none either.
+        blk = (block_of_key(best, NB_PAD) // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        s = tl.load(row + blk, mask=blk < width, other=0.0)
+        top = tl.topk(tl.reshape(packed_block_key(s, blk, c, LOCAL, INIT, NB_PAD), [K_PAD * GROUP]), K_PAD)
+    return top
+
+
+@triton.jit
 def _select_topk_kernel(sc_ptr, sc_sh, sc_st, out_ptr, o_sh, o_st, o_sk, seq_ptr, width, DQL, LOCAL, INIT,
                         BS: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, NB_PAD: tl.constexpr,
-                        GROUP: tl.constexpr, PDL: tl.constexpr):
+                        ONE_PASS: tl.constexpr, PDL: tl.constexpr):
     wait_for_producer(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
@@ -178,22 +201,25 @@ def _select_topk_kernel(sc_ptr, sc_sh, sc_st, out_ptr, o_sh, o_st, o_sk, seq_ptr
     row = sc_ptr + g * sc_sh + t * sc_st
     # All k picks in bitonic top-k passes of log-depth compare-exchange stages, not k dependent max-reductions
     # (H200, index us: 1 x 32k 9.0 -> 7.0, 32 x 32k 67.7 -> 65.3; by groups: 1 x 128k 16.4 -> 13.7).
-    # Score loads are not masked by c, so they do not wait for seq_lens; slots past c (never written) get key 0.
-    if GROUP == 1:
-        blk = tl.arange(0, NB_PAD)
-        s = tl.load(row + blk, mask=blk < width, other=0.0)
-        top = tl.topk(packed_block_key(s, blk, c, LOCAL, INIT, NB_PAD), K_PAD)
+    # Rows of at most ONE_PASS blocks take one pass; longer ones groups of blocks, ONE_PASS groups per pass.
+    # In a block table wider than the row (a serving engine's, max_model_len wide), the row's own block c picks
+    # the smallest of the widths ONE_PASS x 4^i that holds it: a pass over the whole table is as slow as for a row
+    # that long (H200, 1 x 32k in a 1M table: index 6.9 -> 13.9 us). Score loads of a table no wider than ONE_PASS
+    # are not masked by c, so they do not wait for seq_lens; slots past c (never written) get key 0.
+    if NB_PAD <= ONE_PASS:
+        top = _best_blocks(row, width, c, LOCAL, INIT, K_PAD, NB_PAD, NB_PAD, 1)
+    elif c < ONE_PASS:
+        top = _best_blocks(row, width, c, LOCAL, INIT, K_PAD, NB_PAD, ONE_PASS, 1)
+    elif NB_PAD <= 4 * ONE_PASS:
+        top = _best_blocks(row, width, c, LOCAL, INIT, K_PAD, NB_PAD, NB_PAD, NB_PAD // ONE_PASS)
+    elif c < 4 * ONE_PASS:
+        top = _best_blocks(row, width, c, LOCAL, INIT, K_PAD, NB_PAD, 4 * ONE_PASS, 4)
+    elif NB_PAD <= 16 * ONE_PASS:
+        top = _best_blocks(row, width, c, LOCAL, INIT, K_PAD, NB_PAD, NB_PAD, NB_PAD // ONE_PASS)
+    elif c < 16 * ONE_PASS:
+        top = _best_blocks(row, width, c, LOCAL, INIT, K_PAD, NB_PAD, 16 * ONE_PASS, 16)
     else:
-        # Long rows: at most k groups of GROUP blocks hold a block at or above the k-th key, and those groups
-        # have the k best maxima; so pick those groups, then the k best of their blocks.
-        NG: tl.constexpr = NB_PAD // GROUP
-        blk = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        s = tl.load(row + blk, mask=blk < width, other=0.0)
-        best = tl.topk(tl.max(packed_block_key(s, blk, c, LOCAL, INIT, NB_PAD), axis=1), K_PAD)
-        # A pick of key 0 (fewer than k groups see a block; NG >= k) names the last group, which sees none either.
-        blk = (block_of_key(best, NB_PAD) // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        s = tl.load(row + blk, mask=blk < width, other=0.0)
-        top = tl.topk(tl.reshape(packed_block_key(s, blk, c, LOCAL, INIT, NB_PAD), [K_PAD * GROUP]), K_PAD)
+        top = _best_blocks(row, width, c, LOCAL, INIT, K_PAD, NB_PAD, NB_PAD, NB_PAD // ONE_PASS)
     kk = tl.arange(0, K_PAD)
     tl.store(out_ptr + g * o_sh + t * o_st + kk * o_sk, tl.where(top > 0, block_of_key(top, NB_PAD), -1).to(tl.int32),
              mask=kk < TOPK)
@@ -391,6 +417,6 @@ def index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_
     launch(_select_topk_kernel, (num_tokens, kv_heads),
         scores, *scores.stride()[:2], out, *out.stride(),
         seq_lens, width, decode_query_len, local_blocks, init_blocks, BS=bs, TOPK=topk, K_PAD=k_pad, NB_PAD=nb_pad,
-        GROUP=max(1, nb_pad // max(SELECT_ONE_PASS_MAX_BLOCKS, k_pad)), PDL=pdl,
+        ONE_PASS=max(SELECT_ONE_PASS_MAX_BLOCKS, k_pad), PDL=pdl,
         num_warps=4 if nb_pad <= SELECT_FOUR_WARPS_MAX_BLOCKS else 8, launch_pdl=pdl > 0)
     return out
