@@ -104,8 +104,10 @@ def _shared_ids(ids: torch.Tensor, dql: int, shared: int = 12) -> torch.Tensor:
 
 
 def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=torch.bfloat16,
-                 fp8_queries=False):
-    """``fp8_queries``: the index op quantises its queries with ``quantize_index_q`` (timed with it)."""
+                 fp8_queries=False, table_blocks=None):
+    """``fp8_queries``: the index op quantises its queries with ``quantize_index_q`` (timed with it).
+    ``table_blocks``: block tables padded with -1 to this many columns, as a serving engine's (max_model_len / 128
+    wide); None: as wide as the context."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     pages_per = context // BS
     key_bytes = index_dtype.itemsize
@@ -119,6 +121,8 @@ def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=
         ic = m3sparse.new_index_cache(num_pages, index_dtype, device="cuda")
         ic.copy_(torch.randn(ic.shape, device="cuda", generator=gen))
         table = torch.randperm(num_pages, device="cuda", generator=gen).int().view(requests, pages_per)
+        if table_blocks and table_blocks > pages_per:
+            table = torch.cat([table, table.new_full((requests, table_blocks - pages_per), -1)], dim=1)
         seq_lens = torch.full((requests,), context, dtype=torch.int32, device="cuda")
         q = torch.randn(requests * dql, heads, D, device="cuda", generator=gen).bfloat16()
         iq = torch.randn(requests * dql, kv_heads, D, device="cuda", generator=gen).bfloat16()
@@ -182,6 +186,7 @@ def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=
     floor_attend = rows * kv_heads * TOPK * BS * 2 * D * 2 / HBM_BYTES_PER_S * 1e6
     anchor = DECODE_ANCHORS.get((requests, context, dql, heads, kv_heads))
     return dict(requests=requests, context=context, dql=dql, heads=heads, kv_heads=kv_heads, sets=num_sets,
+                table_blocks=sets[0]["table"].shape[1],
                 index_dtype=str(index_dtype).replace("torch.", ""), fp8_queries=fp8_queries,
                 index_us=result["index"], attend_us=result["attend"], total_us=result["total"],
                 total_single_graph_us=result["total_single"], attend_shared_us=result.get("attend_shared"),
@@ -430,6 +435,9 @@ def main(argv=None) -> None:
     parser.add_argument("--prefill-cases", help="run these prefill cases instead of the anchor grid's: "
                         "comma-separated tokens:prefix:pattern[:heads/kv_heads[:requests]], e.g. "
                         "128k:0:locality,8k:120k:random")
+    parser.add_argument("--max-model-len", type=int,
+                        help="decode: block tables padded to max_model_len / 128 columns, as a serving engine's "
+                             "(default: as wide as each case's context)")
     parser.add_argument("--json", help="write the raw rows here")
     parser.add_argument("--index-cache-dtype", choices=["bfloat16", "fp8_e4m3"], default="bfloat16",
                         help="dtype of the index-key cache")
@@ -440,6 +448,8 @@ def main(argv=None) -> None:
     fp8_queries = args.index_query_dtype == "fp8_e4m3"
     if fp8_queries and args.index_cache_dtype != "fp8_e4m3":
         parser.error("--index-query-dtype fp8_e4m3 needs --index-cache-dtype fp8_e4m3")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        parser.error(f"--max-model-len must be a positive int, got {args.max_model_len}")
     try:
         chosen_prefill = parse_prefill_cases(args.prefill_cases) if args.prefill_cases else None
     except ValueError as e:
@@ -448,8 +458,10 @@ def main(argv=None) -> None:
         raise SystemExit("bench needs a CUDA GPU")
     props = torch.cuda.get_device_properties(0)
     import triton
+    table_blocks = -(-args.max_model_len // BS) if args.max_model_len else None
     print(f"GPU {props.name}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"index cache {args.index_cache_dtype}, index queries {args.index_query_dtype}")
+          f"index cache {args.index_cache_dtype}, index queries {args.index_query_dtype}, decode block tables "
+          f"{f'{table_blocks} blocks wide' if table_blocks else 'as wide as the context'}")
     decode_cases = list(DECODE_ANCHORS)
     if args.grid == "full":
         shapes = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
@@ -466,7 +478,8 @@ def main(argv=None) -> None:
     index_dtype = torch.float8_e4m3fn if args.index_cache_dtype == "fp8_e4m3" else torch.bfloat16
     if args.what in ("decode", "all"):
         for case in decode_cases:
-            results["decode"].append(bench_decode(*case, index_dtype=index_dtype, fp8_queries=fp8_queries))
+            results["decode"].append(bench_decode(*case, index_dtype=index_dtype, fp8_queries=fp8_queries,
+                                                  table_blocks=table_blocks))
             torch.cuda.empty_cache()
         print(decode_table(results["decode"]), flush=True)
     if args.what in ("prefill", "all"):

@@ -19,3 +19,11 @@ def test_prefill_cases_reject_bad_items(text, word):
     with pytest.raises(ValueError, match=word) as info:
         parse_prefill_cases(text)
     assert "--prefill-cases" in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_max_model_len_must_be_positive(value, capsys):
+    from m3sparse.bench import main
+    with pytest.raises(SystemExit):
+        main(["--what", "decode", "--max-model-len", value])
+    assert "--max-model-len must be a positive int" in capsys.readouterr().err
