@@ -810,8 +810,8 @@ def test_decode_attention_half_block_splits(target, kv_dtype, monkeypatch):
 
     monkeypatch.setattr(SA, "launch", spy)
     assert_decode_attention_matches_reference(target, kv_dtype, 40, splits=1000, rows_together=False)
-    assert [(splits, 2 * block_n) for splits, block_n, _, _ in launches] == [(2 * k, bs) for _, _, bs, k in launches]
     assert launches, "no per-row launch"
+    assert [(splits, 2 * block_n) for splits, block_n, _, _ in launches] == [(2 * k, bs) for _, _, bs, k in launches]
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])

@@ -203,9 +203,10 @@ def _select_topk_kernel(sc_ptr, sc_sh, sc_st, out_ptr, o_sh, o_st, o_sk, seq_ptr
     # (H200, index us: 1 x 32k 9.0 -> 7.0, 32 x 32k 67.7 -> 65.3; by groups: 1 x 128k 16.4 -> 13.7).
     # Rows of at most ONE_PASS blocks take one pass; longer ones groups of blocks, ONE_PASS groups per pass.
     # In a block table wider than the row (a serving engine's, max_model_len wide), the row's own block c picks
-    # the smallest of the widths ONE_PASS x 4^i that holds it: a pass over the whole table is as slow as for a row
-    # that long (H200, 1 x 32k in a 1M table: index 6.9 -> 13.9 us). Score loads of a table no wider than ONE_PASS
-    # are not masked by c, so they do not wait for seq_lens; slots past c (never written) get key 0.
+    # the smallest of the widths ONE_PASS x 4^i that holds it: a pass over the whole table costs what a row that
+    # long does (H200, index of a 32k row: 6.9 us in a table of its length, 13.9 in a 1M-wide one passed whole, 7.5
+    # by its own block). Score loads of a table no wider than ONE_PASS are not masked by c, so they do not wait for
+    # seq_lens; slots past c (never written) get key 0.
     if NB_PAD <= ONE_PASS:
         top = _best_blocks(row, width, c, LOCAL, INIT, K_PAD, NB_PAD, NB_PAD, 1)
     elif c < ONE_PASS:
