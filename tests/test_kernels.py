@@ -825,9 +825,9 @@ def test_decode_attention_in_key_chunks(target, splits, kv_dtype, monkeypatch):
     launches = []
     rule = SA._row_pipeline
 
-    def half_blocks(decode, splits, dot_f32, block_h, bs, programs):
+    def half_blocks(decode, splits, dot_f32, block_h, bs, programs, topk):
         launches.append(bs)
-        _, stages, page_ahead = rule(decode, splits, dot_f32, block_h, bs, programs)
+        _, stages, page_ahead = rule(decode, splits, dot_f32, block_h, bs, programs, topk)
         return max(bs // 2, chunk_floor), stages, page_ahead
 
     monkeypatch.setattr(SA, "_row_pipeline", half_blocks)

@@ -176,10 +176,12 @@ class _Scales:
         self.k_mult = float(scale) * k_val
 
 
-def _row_pipeline(decode: bool, splits: int, dot_f32: bool, block_h: int, bs: int,
-                  programs: int) -> tuple[int, int, bool]:
+def _row_pipeline(decode: bool, splits: int, dot_f32: bool, block_h: int, bs: int, programs: int,
+                  topk: int) -> tuple[int, int, bool]:
     """(keys per chunk, pipeline stages, pages read one iteration ahead) of a per-row launch of ``programs``
-    programs over blocks of ``bs`` keys."""
+    programs over blocks of ``bs`` keys, ``splits`` per row of ``topk`` blocks."""
+    if splits > topk:
+        return bs // 2, 2, True  # half a block per program (_row_attn)
     # A decode program that walks all k blocks, or a split of them in a grid of at most one program per SM, reads
     # each block's page one iteration ahead, off the path to the K / V copies (H200, 16-layer graphs, three stages:
     # 128 x 128k 37.8 -> 37.2 us, TP1 128 x 32k 135.6 -> 134.7, 32 x 128k x 4 rows sharing 12/16 29.7 -> 29.2);
@@ -216,8 +218,8 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
     m, l, acc = _split_partials(out, splits)
     cu, ctx = prefill if prefill is not None else (seq_lens, seq_lens)
     block_h = max(16, next_pow2(num_heads // kv_heads))
-    block_n, stages, page_ahead = (bs // 2, 2, True) if halves else _row_pipeline(
-        prefill is None, splits, dot_f32, block_h, bs, num_tokens * kv_heads * splits)
+    block_n, stages, page_ahead = _row_pipeline(prefill is None, splits, dot_f32, block_h, bs,
+                                                num_tokens * kv_heads * splits, topk)
     # One stride() call per tensor (~0.2 µs of host time each, before an eager prefill's first kernel).
     launch(_sparse_attn_kernel, (num_tokens, kv_heads, splits),
         q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3], topk_ids, *topk_ids.stride(),
