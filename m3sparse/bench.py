@@ -248,12 +248,13 @@ def distinct_blocks_per_tile(ids: torch.Tensor, cu: list[int], tile: int = 64) -
 
 
 def prefill_inputs(tokens, prefix, heads, kv_heads, pattern="random", requests=1, index_dtype=torch.bfloat16,
-                   gen=None) -> dict:
+                   gen=None, table_blocks=None) -> dict:
     """One prefill case of the bench, on the GPU: ``requests`` sequences of ``tokens`` new tokens each on ``prefix``
     cached ones, in one varlen batch, index keys and queries built to give ``pattern``'s selections. Returns kv
     (bf16 KV cache), ic (index cache of ``index_dtype``), ic_bf16 (the same index keys in bf16; None for a bf16
     index cache), iq (bf16 index queries [T, Hkv, D]), q (bf16 [T, heads, D]), cu (query offsets, a list), positions
-    (the new tokens' positions) and meta (block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len)."""
+    (the new tokens' positions) and meta (block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len).
+    ``table_blocks``: the block table padded with -1 to this many columns (as ``bench_decode``'s)."""
     gen = gen if gen is not None else torch.Generator(device="cuda").manual_seed(0)
     seq = prefix + tokens
     pages_per = -(-seq // BS)
@@ -273,6 +274,8 @@ def prefill_inputs(tokens, prefix, heads, kv_heads, pattern="random", requests=1
         if ic_bf16 is not None:
             ic_bf16[table[b].long()] = padded.view(pages_per, BS, D).bfloat16()
         iq.append(queries)
+    if table_blocks and table_blocks > pages_per:
+        table = torch.cat([table, table.new_full((requests, table_blocks - pages_per), -1)], dim=1)
     cu = [b * tokens for b in range(requests + 1)]
     meta = (table, torch.tensor(cu, dtype=torch.int32, device="cuda"),
             torch.full((requests,), seq, dtype=torch.int32, device="cuda"),
@@ -319,13 +322,13 @@ def prefill_reps(tokens: int) -> int:
 
 
 def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1, reps=10, dense=True,
-                  index_dtype=torch.bfloat16, fp8_queries=False):
-    """``prefill_inputs``' case timed. ``fp8_queries``: the index op quantises its queries with
-    ``quantize_index_q`` (timed with it). ``ic_bf16`` counts the rows whose selection fp8 keys (and queries)
-    change."""
+                  index_dtype=torch.bfloat16, fp8_queries=False, table_blocks=None):
+    """``prefill_inputs``' case timed (``table_blocks``: its block table that wide). ``fp8_queries``: the index op
+    quantises its queries with ``quantize_index_q`` (timed with it). ``ic_bf16`` counts the rows whose selection fp8
+    keys (and queries) change."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     seq = prefix + tokens
-    case = prefill_inputs(tokens, prefix, heads, kv_heads, pattern, requests, index_dtype, gen)
+    case = prefill_inputs(tokens, prefix, heads, kv_heads, pattern, requests, index_dtype, gen, table_blocks)
     kv, ic, ic_bf16, iq, q = case["kv"], case["ic"], case["ic_bf16"], case["iq"], case["q"]
     cu, positions, meta = case["cu"], case["positions"], case["meta"]
     ids = torch.empty(kv_heads, requests * tokens, TOPK, dtype=torch.int32, device="cuda")
@@ -371,7 +374,7 @@ def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1,
         selection_differs = 100 * (exact.sort(-1).values != ids.sort(-1).values).any(-1).float().mean().item()
     anchor = PREFILL_ANCHORS.get((tokens, prefix, heads, kv_heads)) if requests == 1 else None
     return dict(tokens=tokens, prefix=prefix, heads=heads, kv_heads=kv_heads, requests=requests, pattern=pattern,
-                index_dtype=str(index_dtype).replace("torch.", ""), fp8_queries=fp8_queries,
+                table_blocks=meta[0].shape[1], index_dtype=str(index_dtype).replace("torch.", ""), fp8_queries=fp8_queries,
                 selection_differs_pct=selection_differs, distinct_per_64=distinct_blocks_per_tile(ids.cpu(), cu),
                 index_ms=t_index, attend_ms=t_attend,
                 index_then_attend_ms=t_pair, synced_total_ms=t_synced,
@@ -436,7 +439,7 @@ def main(argv=None) -> None:
                         "comma-separated tokens:prefix:pattern[:heads/kv_heads[:requests]], e.g. "
                         "128k:0:locality,8k:120k:random")
     parser.add_argument("--max-model-len", type=int,
-                        help="decode: block tables padded to max_model_len / 128 columns, as a serving engine's "
+                        help="block tables padded to max_model_len / 128 columns, as a serving engine's "
                              "(default: as wide as each case's context)")
     parser.add_argument("--json", help="write the raw rows here")
     parser.add_argument("--index-cache-dtype", choices=["bfloat16", "fp8_e4m3"], default="bfloat16",
@@ -460,7 +463,7 @@ def main(argv=None) -> None:
     import triton
     table_blocks = -(-args.max_model_len // BS) if args.max_model_len else None
     print(f"GPU {props.name}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"index cache {args.index_cache_dtype}, index queries {args.index_query_dtype}, decode block tables "
+          f"index cache {args.index_cache_dtype}, index queries {args.index_query_dtype}, block tables "
           f"{f'{table_blocks} blocks wide' if table_blocks else 'as wide as the context'}")
     decode_cases = list(DECODE_ANCHORS)
     if args.grid == "full":
@@ -486,7 +489,7 @@ def main(argv=None) -> None:
         for case in prefill_cases:
             results["prefill"].append(bench_prefill(*case, reps=prefill_reps(case[0]),
                                                     dense=case[4] == PATTERNS[0], index_dtype=index_dtype,
-                                                    fp8_queries=fp8_queries))
+                                                    fp8_queries=fp8_queries, table_blocks=table_blocks))
             torch.cuda.empty_cache()
         if results["prefill"]:
             print(prefill_table(results["prefill"]), flush=True)
