@@ -374,7 +374,8 @@ def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1,
         selection_differs = 100 * (exact.sort(-1).values != ids.sort(-1).values).any(-1).float().mean().item()
     anchor = PREFILL_ANCHORS.get((tokens, prefix, heads, kv_heads)) if requests == 1 else None
     return dict(tokens=tokens, prefix=prefix, heads=heads, kv_heads=kv_heads, requests=requests, pattern=pattern,
-                table_blocks=meta[0].shape[1], index_dtype=str(index_dtype).replace("torch.", ""), fp8_queries=fp8_queries,
+                table_blocks=meta[0].shape[1], index_dtype=str(index_dtype).replace("torch.", ""),
+                fp8_queries=fp8_queries,
                 selection_differs_pct=selection_differs, distinct_per_64=distinct_blocks_per_tile(ids.cpu(), cu),
                 index_ms=t_index, attend_ms=t_attend,
                 index_then_attend_ms=t_pair, synced_total_ms=t_synced,

@@ -827,8 +827,8 @@ def test_decode_attention_in_key_chunks(target, splits, kv_dtype, monkeypatch):
 
     def half_blocks(decode, splits, dot_f32, block_h, bs, programs, topk):
         launches.append(bs)
-        _, stages, page_ahead = rule(decode, splits, dot_f32, block_h, bs, programs, topk)
-        return max(bs // 2, chunk_floor), stages, page_ahead
+        _, stages = rule(decode, splits, dot_f32, block_h, bs, programs, topk)
+        return max(bs // 2, chunk_floor), stages
 
     monkeypatch.setattr(SA, "_row_pipeline", half_blocks)
     assert_decode_attention_matches_reference(target, kv_dtype, 7 + splits, splits=splits, rows_together=False)

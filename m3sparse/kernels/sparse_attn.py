@@ -27,12 +27,10 @@ from .tile_order import order_tile_rows
 
 
 @triton.jit
-def _slot_page(ids, valid, kk, i, bt_row_ptr):
-    """(block id, page) of slot i of a row's ids; page -1 where the slot holds no valid id (nothing is read)."""
+def _slot_of(ids, pages, kk, i):
+    """(block id, page) of slot i of a row's ids and their pages (-1 where the slot holds no valid id)."""
     pick = kk == i
-    blk = tl.sum(tl.where(pick, ids, 0), axis=0)
-    kept = tl.sum((pick & valid).to(tl.int32), axis=0) > 0
-    return blk, tl.load(bt_row_ptr + blk, mask=kept, other=-1)
+    return tl.sum(tl.where(pick, ids, 0), axis=0), tl.sum(tl.where(pick, pages, 0), axis=0)
 
 
 @triton.jit
@@ -43,8 +41,7 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
                         IS_DECODE: tl.constexpr, SKIP_TILED: tl.constexpr, G: tl.constexpr,
                         BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
                         TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
-                        WRITE_OUT: tl.constexpr, PDL: tl.constexpr, PAGE_AHEAD: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
+                        WRITE_OUT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr):
     wait_for_producer(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
@@ -92,15 +89,15 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
         # Splits share out the row's TOPK x SUB chunks (of BLOCK_N keys): more splits than blocks halve a block.
         per_split = tl.cdiv(TOPK * SUB, SPLITS)
         lo = split * per_split
-        bt_row = bt_ptr + b * bt_sb
-        if PAGE_AHEAD:
-            blk, page = _slot_page(ids, valid, kk, lo // SUB, bt_row)
+        # All of the row's pages in one gather before the loop: a page read per block put a dependent L2 round trip
+        # in front of each block's K / V copies (H200, 16-layer graphs, attend us: 32 x 128k x 4 rows sharing 12/16
+        # 28.97 -> 26.19, 128 x 32k 36.45 -> 35.29, 32 x 32k 12.45 -> 12.10, 1 x 32k 5.33 -> 5.22).
+        pages = tl.load(bt_ptr + b * bt_sb + ids, mask=valid, other=-1)
         # No branch in the loop body: ignored ids become fully masked blocks (nothing is loaded for them), so the
         # compiler can keep the next block's loads in flight while this one is reduced.
         # Each block in SUB chunks of BLOCK_N keys: smaller pipeline stages let more programs share an SM.
         for chunk in range(lo, tl.minimum(TOPK * SUB, lo + per_split)):
-            if not PAGE_AHEAD:
-                blk, page = _slot_page(ids, valid, kk, chunk // SUB, bt_row)
+            blk, page = _slot_of(ids, pages, kk, chunk // SUB)
             j = (chunk % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
             use = (page >= 0) & (page < num_pages)
             page = tl.where(use, page, 0).to(tl.int64)
@@ -112,8 +109,6 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
             v = tl.load(base + D, mask=seen[:, None], other=0.0)
             m_i, l_i, acc = attend_keys(q, k, v, seen[None, :], m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
                                         vs_ptr + g * vs_sh + slot, seen, K_SCALE, V_SCALE, DOT_F32, False)
-            if PAGE_AHEAD:
-                blk, page = _slot_page(ids, valid, kk, (chunk + 1) // SUB, bt_row)
         store_rows(acc * v_mult, m_i, l_i, t, g * G + h, h < G, o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, split,
                    SPLITS, G * tl.num_programs(1), D, WRITE_OUT)
     release_consumer(PDL)
@@ -177,30 +172,25 @@ class _Scales:
 
 
 def _row_pipeline(decode: bool, splits: int, dot_f32: bool, block_h: int, bs: int, programs: int,
-                  topk: int) -> tuple[int, int, bool]:
-    """(keys per chunk, pipeline stages, pages read one iteration ahead) of a per-row launch of ``programs``
-    programs over blocks of ``bs`` keys, ``splits`` per row of ``topk`` blocks."""
+                  topk: int) -> tuple[int, int]:
+    """(keys per chunk, pipeline stages) of a per-row launch of ``programs`` programs over blocks of ``bs`` keys,
+    ``splits`` per row of ``topk`` blocks."""
     if splits > topk:
-        return bs // 2, 2, True  # half a block per program (_row_attn)
-    # A decode program that walks all k blocks, or a split of them in a grid of at most one program per SM, reads
-    # each block's page one iteration ahead, off the path to the K / V copies (H200, 16-layer graphs, three stages:
-    # 128 x 128k 37.8 -> 37.2 us, TP1 128 x 32k 135.6 -> 134.7, 32 x 128k x 4 rows sharing 12/16 29.7 -> 29.2);
-    # shorter loops of larger grids lose with it (32 x 32k, 5 splits: 13.5 -> 13.8; prefill 32k random 3.82 ->
-    # 4.13 ms).
-    page_ahead = decode and (splits == 1 or programs <= H200_SMS)
-    if not (page_ahead and not dot_f32 and block_h == 16):
-        return bs, 2, page_ahead
-    # Such a program also keeps a third block in flight (H200, TP1 128 x 32k: 146.7 -> 136.6 us); in split grids of
-    # two or more programs per SM the loops are short and the third stage costs (32 x 32k, 9 splits: 17.0 -> 19.2).
-    # fp32 dots and larger head groups stay at two: their third stage would not fit in shared memory.
+        return bs // 2, 2  # half a block per program (_row_attn)
+    # A decode program that walks all k blocks, or a split of them in a grid of at most one program per SM, keeps a
+    # third block in flight (H200, TP1 128 x 32k: 146.7 -> 136.6 us); in split grids of two or more programs per SM
+    # the loops are short and the third stage costs (32 x 32k, 9 splits: 17.0 -> 19.2). fp32 dots and larger head
+    # groups stay at two: their third stage would not fit in shared memory.
+    if not (decode and (splits == 1 or programs <= H200_SMS) and not dot_f32 and block_h == 16):
+        return bs, 2
     # Whole blocks (139 KB of shared memory) run one program per SM; half-block chunks in four stages (104 KB)
     # run two, so they win where the grid is an even number of whole-block waves, most of all where the last of
     # them is short; up to ~1.6 waves half blocks in three stages (72 KB) are faster still. H200, one-split TP1
     # grids, µs (whole / half x 4 / half x 3; docs/perf-notes.md v11): 128 programs 36.7 / 41.5 / 40.7,
     # 160: 58.4 / 55.2 / 49.7, 256: 69.4 / 67.8 / 85.5, 384: 100.7 / 110.0 / 97.0, 512: 132.5 / 128.6 / 145.4.
     if bs % ONE_SPLIT_CHUNK or bs == ONE_SPLIT_CHUNK or cdiv(programs, H200_SMS) % 2:
-        return bs, 3, True
-    return ONE_SPLIT_CHUNK, 3 if programs <= SHORT_SECOND_WAVE else 4, True
+        return bs, 3
+    return ONE_SPLIT_CHUNK, 3 if programs <= SHORT_SECOND_WAVE else 4
 
 
 def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, dot_f32,
@@ -218,8 +208,8 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
     m, l, acc = _split_partials(out, splits)
     cu, ctx = prefill if prefill is not None else (seq_lens, seq_lens)
     block_h = max(16, next_pow2(num_heads // kv_heads))
-    block_n, stages, page_ahead = _row_pipeline(prefill is None, splits, dot_f32, block_h, bs,
-                                                num_tokens * kv_heads * splits, topk)
+    block_n, stages = _row_pipeline(prefill is None, splits, dot_f32, block_h, bs, num_tokens * kv_heads * splits,
+                                    topk)
     # One stride() call per tensor (~0.2 µs of host time each, before an eager prefill's first kernel).
     launch(_sparse_attn_kernel, (num_tokens, kv_heads, splits),
         q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3], topk_ids, *topk_ids.stride(),
@@ -229,7 +219,7 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
         IS_DECODE=prefill is None, SKIP_TILED=tiled is not None, G=num_heads // kv_heads,
         BLOCK_H=block_h, BS=bs, D=dim, TOPK=topk, TOPK_PAD=ids_pad(topk),
         K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
-        WRITE_OUT=splits == 1, PDL=pdl, PAGE_AHEAD=page_ahead, BLOCK_N=block_n, num_warps=4, num_stages=stages,
+        WRITE_OUT=splits == 1, PDL=pdl, BLOCK_N=block_n, num_warps=4, num_stages=stages,
         launch_pdl=pdl > 0)
     _merge_split_partials(m, l, acc, out, splits, pdl)
     return out
@@ -390,10 +380,10 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
     # Few rows cannot fill the GPU: split each row's blocks across programs and merge exactly.
     # Measured on the H200 (16-layer graphs, attend us): two programs per SM below SPLIT_TWO_PER_SM_BELOW rows x KV
     # heads; from there as many splits as fill one wave of one program per SM, each walking its blocks in three
-    # stages with pages read ahead (shipped two-per-SM split -> one wave: 64 x 32k 26.5 -> 23.9, 16 x 128k x 4
-    # rows sharing 12/16 18.6 -> 16.9, independent 25.3 -> 22.4, 80 x 32k 31.2 -> 30.5, 96 x 32k 34.2 -> 32.9,
-    # 48 x 32k 18.3 / 18.5); one split of all k blocks from ~one program per SM (128 x 32k: 41.2 -> 38.3 us
-    # against two splits), launched dependent on the kernel before it (attend 37.5 -> 36.9 us).
+    # stages (shipped two-per-SM split -> one wave: 64 x 32k 26.5 -> 23.9, 16 x 128k x 4 rows sharing 12/16 18.6 ->
+    # 16.9, independent 25.3 -> 22.4, 80 x 32k 31.2 -> 30.5, 96 x 32k 34.2 -> 32.9, 48 x 32k 18.3 / 18.5); one
+    # split of all k blocks from ~one program per SM (128 x 32k: 41.2 -> 38.3 us against two splits), launched
+    # dependent on the kernel before it (attend 37.5 -> 36.9 us).
     num_programs = q.shape[0] * kv_heads
     if splits is None:
         splits = cdiv(2 * H200_SMS, num_programs) if num_programs < SPLIT_TWO_PER_SM_BELOW \
