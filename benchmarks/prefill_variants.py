@@ -5,9 +5,10 @@
 
 Each case is ``tokens:prefix:pattern[:heads/kv_heads[:requests]]`` as ``bench --prefill-cases`` takes them
 (``bench``'s inputs). Each variant sets module attributes (``module.NAME=value``, ";"-separated; values are Python
-literals or ``1<<30``-style shifts) for its calls and restores them after; the shipped settings run first. Variants alternate over ``--rounds`` rounds; each
-prints its minimum over rounds of the median of back-to-back calls (``bench``'s timing), and how its output differs
-from the shipped settings' (attention: max |diff| / max |shipped|; index: share of rows whose sets differ).
+literals or ``1<<30``-style shifts) for its calls and restores them after; the shipped settings run first. Variants
+alternate over ``--rounds`` rounds; each prints its minimum over rounds of the median of back-to-back calls
+(``bench``'s timing), and how its output differs from the shipped settings' (attention: max |diff| / max |shipped|;
+index: share of rows whose sets differ).
 ``--profile``: the shipped op's kernels by time (torch.profiler, mean per call).
 """
 from __future__ import annotations

@@ -103,6 +103,13 @@ def _shared_ids(ids: torch.Tensor, dql: int, shared: int = 12) -> torch.Tensor:
     return out.view(heads, rows, k)
 
 
+def _padded_table(table: torch.Tensor, table_blocks: int | None) -> torch.Tensor:
+    """``table`` [requests, blocks] padded with -1 to ``table_blocks`` columns (a serving engine's width), if wider."""
+    if not table_blocks or table_blocks <= table.shape[1]:
+        return table
+    return torch.cat([table, table.new_full((table.shape[0], table_blocks - table.shape[1]), -1)], dim=1)
+
+
 def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=torch.bfloat16,
                  fp8_queries=False, table_blocks=None):
     """``fp8_queries``: the index op quantises its queries with ``quantize_index_q`` (timed with it).
@@ -120,9 +127,8 @@ def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=
         kv.normal_(generator=gen)
         ic = m3sparse.new_index_cache(num_pages, index_dtype, device="cuda")
         ic.copy_(torch.randn(ic.shape, device="cuda", generator=gen))
-        table = torch.randperm(num_pages, device="cuda", generator=gen).int().view(requests, pages_per)
-        if table_blocks and table_blocks > pages_per:
-            table = torch.cat([table, table.new_full((requests, table_blocks - pages_per), -1)], dim=1)
+        table = _padded_table(torch.randperm(num_pages, device="cuda", generator=gen).int().view(requests, pages_per),
+                              table_blocks)
         seq_lens = torch.full((requests,), context, dtype=torch.int32, device="cuda")
         q = torch.randn(requests * dql, heads, D, device="cuda", generator=gen).bfloat16()
         iq = torch.randn(requests * dql, kv_heads, D, device="cuda", generator=gen).bfloat16()
@@ -274,8 +280,7 @@ def prefill_inputs(tokens, prefix, heads, kv_heads, pattern="random", requests=1
         if ic_bf16 is not None:
             ic_bf16[table[b].long()] = padded.view(pages_per, BS, D).bfloat16()
         iq.append(queries)
-    if table_blocks and table_blocks > pages_per:
-        table = torch.cat([table, table.new_full((requests, table_blocks - pages_per), -1)], dim=1)
+    table = _padded_table(table, table_blocks)
     cu = [b * tokens for b in range(requests + 1)]
     meta = (table, torch.tensor(cu, dtype=torch.int32, device="cuda"),
             torch.full((requests,), seq, dtype=torch.int32, device="cuda"),

@@ -1,7 +1,8 @@
-"""The bench's command line on a CPU: the prefill case list it parses (the timings themselves need a GPU)."""
+"""The bench on a CPU: the prefill case list it parses and the block tables it pads (the timings need a GPU)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from m3sparse.bench import parse_prefill_cases
 
@@ -27,3 +28,11 @@ def test_max_model_len_must_be_positive(value, capsys):
     with pytest.raises(SystemExit):
         main(["--what", "decode", "--max-model-len", value])
     assert "--max-model-len must be a positive int" in capsys.readouterr().err
+
+
+def test_padded_table_keeps_the_table_and_pads_with_minus_one():
+    from m3sparse.bench import _padded_table
+    table = torch.arange(6, dtype=torch.int32).view(2, 3)
+    wide = _padded_table(table, 8)
+    assert wide.shape == (2, 8) and torch.equal(wide[:, :3], table) and (wide[:, 3:] == -1).all()
+    assert _padded_table(table, None) is table and _padded_table(table, 2) is table
