@@ -1,4 +1,5 @@
-"""Plot decode total µs against context, one line per batch size, from `python -m m3sparse bench --json` files.
+"""Plot decode total µs against context from `python -m m3sparse bench --json` files: one panel per head shape, one
+colour per batch size, one line style per (file label, query tokens per request); the anchors on the 16/1 panel.
 
 usage: python benchmarks/plot_decode.py OUT.png LABEL=bench.json [LABEL=bench.json ...]
 """
@@ -12,28 +13,45 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+ANCHORS_16_1 = {1: (13.7, 18.1), 8: (27.3, 72.1), 32: (77.4, 272.5), 128: (305.2, 1225.7)}  # total µs, 32k / 128k
+
+
+def _context_label(kib: int) -> str:
+    return f"{kib // 1024}M" if kib >= 1024 else f"{kib}k"
+
 
 def main(argv: list[str]) -> None:
     out, series = argv[0], [a.split("=", 1) for a in argv[1:]]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = ["-", "--", ":"]
-    for (label, path), style in zip(series, styles):
-        rows = [r for r in json.load(open(path))["decode"] if r["dql"] == 1 and r["heads"] == 16]
-        for i, req in enumerate(sorted({r["requests"] for r in rows})):
-            pts = sorted((r["context"] // 1024, r["total_us"]) for r in rows if r["requests"] == req)
-            ax.plot(*zip(*pts), style, marker="o", color=f"C{i}", label=f"{req} req, {label}")
-    anchors = {1: (13.7, 18.1), 8: (27.3, 72.1), 32: (77.4, 272.5), 128: (305.2, 1225.7)}
-    for i, (req, (a32, a128)) in enumerate(anchors.items()):
-        ax.plot([32, 128], [a32, a128], "x", color=f"C{i}", markersize=9, label="anchor (same colour)" if i == 0 else None)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks([32, 128], ["32k", "128k"])
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("index + attend, µs per layer (CUDA graph)")
-    ax.set_title("MSA decode on H200, 16/1 heads (x: anchor)")
-    ax.legend(fontsize=7, ncol=2)
+    rows = [(label, r) for label, path in series for r in json.load(open(path))["decode"]]
+    shapes = sorted({(r["heads"], r["kv_heads"]) for _, r in rows}, key=lambda s: (s != (16, 1), s))
+    lines = sorted({(label, r["dql"]) for label, r in rows}, key=lambda x: ([s[0] for s in series].index(x[0]), x[1]))
+    styles = dict(zip(lines, ["-", "--", ":", "-."] * 4))
+    batches = sorted({r["requests"] for _, r in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
+    for ax, (heads, kv_heads) in zip(axes[0], shapes):
+        contexts = set()
+        for (label, dql), style in styles.items():
+            for i, req in enumerate(batches):
+                pts = sorted((r["context"] // 1024, r["total_us"]) for lab, r in rows if lab == label
+                             and r["dql"] == dql and r["requests"] == req and (r["heads"], r["kv_heads"]) == (heads, kv_heads))
+                if pts:
+                    contexts.update(c for c, _ in pts)
+                    ax.plot(*zip(*pts), style, marker="o", color=f"C{i}", label=f"{req} req, {dql} q, {label}")
+        if (heads, kv_heads) == (16, 1):
+            for i, req in enumerate(batches):
+                if req in ANCHORS_16_1:
+                    ax.plot([32, 128], ANCHORS_16_1[req], "x", color=f"C{i}", markersize=9,
+                            label="anchor, 1 q (colour: requests)" if i == 0 else None)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ticks = sorted(contexts)
+        ax.set_xticks(ticks, [_context_label(c) for c in ticks])
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("index + attend, µs per layer (CUDA graph)")
+        ax.set_title(f"MSA decode on H200, {heads}/{kv_heads} heads")
+        ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=110)
 
 
 if __name__ == "__main__":

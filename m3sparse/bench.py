@@ -1,7 +1,8 @@
 """Kernel timings on a GPU at the shapes of the anchor table (H200, TP4: 16 query heads, 1 KV head).
 
-Decode: each op captured as 16 consecutive layers in one CUDA graph over several input sets (rotated so the
-working set exceeds L2), median of event-timed replays divided by 16; also one op per graph. Prefill: eager
+Decode: each op captured as 16 consecutive layers per CUDA graph, every layer on block tables of its own into one
+pool of pages, the graphs replayed in turn so that one round reads >= 256 MB (the L2 holds 60): median of
+event-timed replays divided by 16; also one op per graph. Prefill: eager
 launches after 0.2 s of the case's own calls, median of 30 event-timed calls (10 at 128k) queued back to back
 behind an L2 eviction each, as ``triton.testing.do_bench`` times them; also each call alone after a
 synchronisation (the host's time before its first kernel included). Prints markdown tables.
@@ -21,6 +22,9 @@ import m3sparse
 BS, D, TOPK = 128, 128, 16
 HBM_BYTES_PER_S = 4.25e12  # measured device copy on the H200 (anchors.md)
 LAYERS_PER_GRAPH = 16
+# Decode rotation: one round of graph replays reads at least this many bytes (the L2 is 60 MB), in up to MAX_GRAPHS
+# graphs.
+ROTATED_BYTES, MAX_GRAPHS = 256e6, 16
 PEAK_FLOPS = 790e12
 
 DECODE_ANCHORS = {  # (requests, context, query tokens, heads, kv heads): (index us, attend us)
@@ -110,6 +114,15 @@ def _padded_table(table: torch.Tensor, table_blocks: int | None) -> torch.Tensor
     return torch.cat([table, table.new_full((table.shape[0], table_blocks - table.shape[1]), -1)], dim=1)
 
 
+def rotation(requests: int, pages_per: int, page_bytes: int, layer_bytes: int) -> tuple[int, int]:
+    """(graphs, pool pages) of a decode case: the op is captured in ``graphs`` graphs of LAYERS_PER_GRAPH layers,
+    each layer on a table of its own into one pool of pages, so that one round of replays touches >= ROTATED_BYTES
+    (``layer_bytes``: the smallest op's bytes per layer, the attention's) and nothing it reads is still in the L2
+    when it comes round again; the pool holds every request's pages, and twice ROTATED_BYTES."""
+    graphs = max(1, min(MAX_GRAPHS, math.ceil(ROTATED_BYTES / (LAYERS_PER_GRAPH * layer_bytes))))
+    return graphs, max(requests * pages_per, math.ceil(2 * ROTATED_BYTES / page_bytes))
+
+
 def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=torch.bfloat16,
                  fp8_queries=False, table_blocks=None):
     """``fp8_queries``: the index op quantises its queries with ``quantize_index_q`` (timed with it).
@@ -118,81 +131,88 @@ def bench_decode(requests, context, dql, heads, kv_heads, reps=100, index_dtype=
     gen = torch.Generator(device="cuda").manual_seed(0)
     pages_per = context // BS
     key_bytes = index_dtype.itemsize
-    set_bytes = requests * pages_per * BS * (2 * D * kv_heads * 2 + D * key_bytes)
-    num_sets = max(1, min(8, math.ceil(200e6 / set_bytes)))
-    sets = []
-    for _ in range(num_sets):
-        num_pages = requests * pages_per
-        kv = m3sparse.new_kv_cache(num_pages, kv_heads, torch.bfloat16, device="cuda")
-        kv.normal_(generator=gen)
-        ic = m3sparse.new_index_cache(num_pages, index_dtype, device="cuda")
-        ic.copy_(torch.randn(ic.shape, device="cuda", generator=gen))
-        table = _padded_table(torch.randperm(num_pages, device="cuda", generator=gen).int().view(requests, pages_per),
-                              table_blocks)
-        seq_lens = torch.full((requests,), context, dtype=torch.int32, device="cuda")
-        q = torch.randn(requests * dql, heads, D, device="cuda", generator=gen).bfloat16()
-        iq = torch.randn(requests * dql, kv_heads, D, device="cuda", generator=gen).bfloat16()
+    rows = requests * dql
+    floor_attend_bytes = rows * kv_heads * TOPK * BS * 2 * D * 2
+    graphs, pool_pages = rotation(requests, pages_per, BS * (2 * D * kv_heads * 2 + D * key_bytes),
+                                  floor_attend_bytes)
+    kv = m3sparse.new_kv_cache(pool_pages, kv_heads, torch.bfloat16, device="cuda")
+    kv.normal_(generator=gen)
+    ic = m3sparse.new_index_cache(pool_pages, index_dtype, device="cuda")
+    ic.copy_(torch.randn(ic.shape, device="cuda", generator=gen))
+    seq_lens = torch.full((requests,), context, dtype=torch.int32, device="cuda")
+    layers = []
+    for _ in range(graphs * LAYERS_PER_GRAPH):
+        # Each layer reads its own random pages of the pool (the same pages for its index keys and its K / V).
+        table = torch.randperm(pool_pages, device="cuda", generator=gen)[:requests * pages_per].int()
+        q = torch.randn(rows, heads, D, device="cuda", generator=gen).bfloat16()
+        iq = torch.randn(rows, kv_heads, D, device="cuda", generator=gen).bfloat16()
         ids = _realistic_ids(seq_lens, dql, kv_heads, gen)
-        sets.append(dict(kv=kv, ic=ic, table=table, seq_lens=seq_lens, q=q, iq=iq, ids=ids,
-                         iq8=torch.empty(iq.shape, dtype=torch.float8_e4m3fn, device="cuda"),
-                         shared_ids=_shared_ids(ids, dql), ids_out=torch.empty_like(ids), out=torch.empty_like(q)))
+        layers.append(dict(table=_padded_table(table.view(requests, pages_per), table_blocks), q=q, iq=iq, ids=ids,
+                           iq8=torch.empty(iq.shape, dtype=torch.float8_e4m3fn, device="cuda"),
+                           shared_ids=_shared_ids(ids, dql), ids_out=torch.empty_like(ids), out=torch.empty_like(q)))
 
     def index_q(s):
         return m3sparse.quantize_index_q(s["iq"], out=s["iq8"]) if fp8_queries else s["iq"]
 
     def index(s):
-        m3sparse.index_topk_decode(index_q(s), s["ic"], s["table"], s["seq_lens"], dql, out=s["ids_out"])
+        m3sparse.index_topk_decode(index_q(s), ic, s["table"], seq_lens, dql, out=s["ids_out"])
 
     def attend(s):
-        m3sparse.sparse_attn_decode(s["q"], s["kv"], s["ids"], s["table"], s["seq_lens"], dql, out=s["out"])
+        m3sparse.sparse_attn_decode(s["q"], kv, s["ids"], s["table"], seq_lens, dql, out=s["out"])
 
     def attend_shared(s):
-        m3sparse.sparse_attn_decode(s["q"], s["kv"], s["shared_ids"], s["table"], s["seq_lens"], dql, out=s["out"])
+        m3sparse.sparse_attn_decode(s["q"], kv, s["shared_ids"], s["table"], seq_lens, dql, out=s["out"])
 
     def both(s):
-        m3sparse.index_topk_decode(index_q(s), s["ic"], s["table"], s["seq_lens"], dql, out=s["ids_out"])
-        m3sparse.sparse_attn_decode(s["q"], s["kv"], s["ids_out"], s["table"], s["seq_lens"], dql, out=s["out"])
+        m3sparse.index_topk_decode(index_q(s), ic, s["table"], seq_lens, dql, out=s["ids_out"])
+        m3sparse.sparse_attn_decode(s["q"], kv, s["ids_out"], s["table"], seq_lens, dql, out=s["out"])
 
     result = {}
     ops = [("index", index), ("attend", attend), ("total", both)]
     if dql > 1:
         ops.append(("attend_shared", attend_shared))
     for name, fn in ops:
-        for s in sets:
+        for s in layers:
             fn(s)
         torch.cuda.synchronize()
         # A serving engine replays one graph for the whole model: time the op as LAYERS_PER_GRAPH consecutive
-        # layers (rotating over the input sets) in one graph, per layer; and, for comparison, one op per graph.
-        stacked = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(stacked):
-            for i in range(LAYERS_PER_GRAPH):
-                fn(sets[i % len(sets)])
-        single = []
-        for s in sets:
+        # layers in one graph, per layer, the graphs replayed in turn; and, for comparison, one op per graph.
+        stacked, single = [], []
+        for first in range(0, len(layers), LAYERS_PER_GRAPH):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for s in layers[first:first + LAYERS_PER_GRAPH]:
+                    fn(s)
+            stacked.append(g)
+        # The first graph's layers, a graph each: replays that switch among hundreds of graphs cost the host
+        # several µs each (H200: 1 x 32k 16.7 us over 16 graphs, 27.0 over 256), which is not the op's time.
+        for s in layers[:LAYERS_PER_GRAPH]:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 fn(s)
             single.append(g)
-        stacked.replay()
-        result[name] = _events_median(stacked.replay, max(10, reps // 4)) / LAYERS_PER_GRAPH
-        counter = iter(range(10**9))
-        result[name + "_single"] = _events_median(lambda: single[next(counter) % len(single)].replay(), reps)
+        for g in stacked:
+            g.replay()
+        turn = iter(range(10**9))
+        result[name] = _events_median(lambda: stacked[next(turn) % graphs].replay(),
+                                      max(10, reps // 4, 2 * graphs)) / LAYERS_PER_GRAPH
+        turn = iter(range(10**9))
+        result[name + "_single"] = _events_median(lambda: single[next(turn) % len(single)].replay(), reps)
     selection_differs = None
     if index_dtype != torch.bfloat16:
         # How often the fp8 index keys change a row's selection against the same keys in bf16.
-        s = sets[0]
-        exact = m3sparse.new_index_cache(s["ic"].shape[0], torch.bfloat16, device="cuda")
+        s = layers[0]
+        exact = m3sparse.new_index_cache(ic.shape[0], torch.bfloat16, device="cuda")
         exact.copy_(torch.randn(exact.shape, device="cuda", generator=gen))
-        s["ic"].copy_(exact)  # the same keys, rounded to fp8
-        bf16_ids = m3sparse.index_topk_decode(s["iq"], exact, s["table"], s["seq_lens"], dql)
-        fp8_ids = m3sparse.index_topk_decode(index_q(s), s["ic"], s["table"], s["seq_lens"], dql)
+        ic.copy_(exact)  # the same keys, rounded to fp8
+        bf16_ids = m3sparse.index_topk_decode(s["iq"], exact, s["table"], seq_lens, dql)
+        fp8_ids = m3sparse.index_topk_decode(index_q(s), ic, s["table"], seq_lens, dql)
         selection_differs = 100 * (bf16_ids.sort(-1).values != fp8_ids.sort(-1).values).any(-1).float().mean().item()
-    rows = requests * dql
     floor_index = requests * context * D * key_bytes / HBM_BYTES_PER_S * 1e6
-    floor_attend = rows * kv_heads * TOPK * BS * 2 * D * 2 / HBM_BYTES_PER_S * 1e6
+    floor_attend = floor_attend_bytes / HBM_BYTES_PER_S * 1e6
     anchor = DECODE_ANCHORS.get((requests, context, dql, heads, kv_heads))
-    return dict(requests=requests, context=context, dql=dql, heads=heads, kv_heads=kv_heads, sets=num_sets,
-                table_blocks=sets[0]["table"].shape[1],
+    return dict(requests=requests, context=context, dql=dql, heads=heads, kv_heads=kv_heads, graphs=graphs,
+                pool_pages=pool_pages, table_blocks=layers[0]["table"].shape[1],
                 index_dtype=str(index_dtype).replace("torch.", ""), fp8_queries=fp8_queries,
                 index_us=result["index"], attend_us=result["attend"], total_us=result["total"],
                 total_single_graph_us=result["total_single"], attend_shared_us=result.get("attend_shared"),

@@ -36,3 +36,16 @@ def test_padded_table_keeps_the_table_and_pads_with_minus_one():
     wide = _padded_table(table, 8)
     assert wide.shape == (2, 8) and torch.equal(wide[:, :3], table) and (wide[:, 3:] == -1).all()
     assert _padded_table(table, None) is table and _padded_table(table, 2) is table
+
+
+@pytest.mark.parametrize("requests, pages_per, page_bytes, layer_bytes", [
+    (1, 256, 98304, 1 << 20), (1, 32, 98304, 1 << 20), (32, 256, 98304, 32 << 20), (128, 1024, 98304, 128 << 20),
+    (1, 8192, 98304, 4 << 20)])
+def test_decode_rotation_reads_past_the_l2_and_pools_every_page(requests, pages_per, page_bytes, layer_bytes):
+    from m3sparse.bench import LAYERS_PER_GRAPH, MAX_GRAPHS, ROTATED_BYTES, rotation
+    graphs, pool = rotation(requests, pages_per, page_bytes, layer_bytes)
+    assert 1 <= graphs <= MAX_GRAPHS
+    # one round of replays reads ROTATED_BYTES, or as much as the graph cap allows
+    assert graphs * LAYERS_PER_GRAPH * layer_bytes >= ROTATED_BYTES or graphs == MAX_GRAPHS
+    assert (graphs - 1) * LAYERS_PER_GRAPH * layer_bytes < ROTATED_BYTES  # no more graphs than that needs
+    assert pool >= requests * pages_per and pool * page_bytes >= 2 * ROTATED_BYTES
