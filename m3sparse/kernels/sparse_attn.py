@@ -153,9 +153,9 @@ TILE_ORDER_GROUPS = ((65536, 128), (8192, 32))
 # Decode tiles: at least this many (request, KV head) tiles, each union split over about two programs per SM
 # (the tile kernel's shared memory fits two).
 TILE_MIN_DECODE_TILES, TILE_PROGRAMS = 128, 2 * H200_SMS
-# Decode rows x KV heads below which a row's blocks are split over two programs per SM (from it: as many splits
-# as fill one wave of one program per SM, one split from ~67).
-SPLIT_TWO_PER_SM_BELOW = 48
+# Decode rows x KV heads below which each row's blocks go in 2k half-block splits (from it: as many splits as fill
+# one wave of one program per SM, one split from ~67).
+HALF_BLOCK_SPLITS_BELOW = 8
 # One-split decode: the key chunk that fits more programs per SM than whole blocks, and the grid size up to which
 # its three-stage form wins (see _row_pipeline).
 ONE_SPLIT_CHUNK, SHORT_SECOND_WAVE = 64, 208
@@ -378,16 +378,16 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
                    dot_f32, decode=(seq_lens, decode_query_len), splits=max(1, min(splits, topk)))
         return out
     # Few rows cannot fill the GPU: split each row's blocks across programs and merge exactly.
-    # Measured on the H200 (16-layer graphs, attend us): two programs per SM below SPLIT_TWO_PER_SM_BELOW rows x KV
-    # heads; from there as many splits as fill one wave of one program per SM, each walking its blocks in three
-    # stages (shipped two-per-SM split -> one wave: 64 x 32k 26.5 -> 23.9, 16 x 128k x 4 rows sharing 12/16 18.6 ->
-    # 16.9, independent 25.3 -> 22.4, 80 x 32k 31.2 -> 30.5, 96 x 32k 34.2 -> 32.9, 48 x 32k 18.3 / 18.5); one
-    # split of all k blocks from ~one program per SM (128 x 32k: 41.2 -> 38.3 us against two splits), launched
-    # dependent on the kernel before it (attend 37.5 -> 36.9 us).
+    # Measured on the H200 (16-layer graphs, attend us, K / V read from HBM as the bench rotates them since v26):
+    # below HALF_BLOCK_SPLITS_BELOW rows x KV heads, 2k half-block splits; from there as many splits as fill one wave
+    # of one program per SM, each walking its blocks in three stages. Against two programs per SM (the rule up to 47
+    # rows while the bench's K / V sat in the L2): 8 x 32k 7.92 -> 7.69, 16 x 32k 10.56 -> 10.38, 24 x 32k 13.42 ->
+    # 13.06, 32 x 32k 15.38 -> 15.02, 8 x 32k x 4 rows 14.38 -> 13.85, 64/4 heads 2 x 32k 8.11 -> 7.79; 4 x 32k
+    # keeps half blocks (6.66 against 6.79). One split of all k blocks from ~one program per SM (128 x 32k: 41.2 ->
+    # 38.3 us against two splits), launched dependent on the kernel before it (attend 37.5 -> 36.9 us).
     num_programs = q.shape[0] * kv_heads
     if splits is None:
-        splits = cdiv(2 * H200_SMS, num_programs) if num_programs < SPLIT_TWO_PER_SM_BELOW \
-            else max(1, H200_SMS // num_programs)
+        splits = 2 * topk if num_programs < HALF_BLOCK_SPLITS_BELOW else max(1, H200_SMS // num_programs)
     pdl = PDL_EARLY if splits == 1 and dependent_launch_works(q.device) else chained_launch(q.device)
     return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, dot_f32,
                      pdl=pdl)
