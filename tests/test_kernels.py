@@ -814,6 +814,26 @@ def test_decode_attention_half_block_splits(target, kv_dtype, monkeypatch):
     assert [(splits, 2 * block_n) for splits, block_n, _, _ in launches] == [(2 * k, bs) for _, _, bs, k in launches]
 
 
+@pytest.mark.parametrize("splits", [5, 7, 11])
+def test_decode_attention_splits_leave_no_program_without_a_block(target, splits, monkeypatch):
+    """Split counts that do not divide the k blocks (5 splits of 16 would walk 4, 4, 4, 4 and none) launch only
+    splits that each walk a block, and still match the reference."""
+    import m3sparse.kernels.sparse_attn as SA
+    launches = []
+    real = SA.launch
+
+    def spy(kernel, grid, *args, **meta):
+        if kernel is SA._sparse_attn_kernel:
+            launches.append((grid[2], meta["TOPK"] * meta["BS"] // meta["BLOCK_N"]))
+        return real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(SA, "launch", spy)
+    assert_decode_attention_matches_reference(target, torch.bfloat16, 50 + splits, splits=splits, rows_together=False)
+    assert launches, "no per-row launch"
+    for grid_splits, chunks in launches:
+        assert 1 < grid_splits <= splits and (grid_splits - 1) * -(-chunks // grid_splits) < chunks
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_attention_in_key_chunks(target, splits, kv_dtype, monkeypatch):

@@ -204,7 +204,9 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
     # Rows too few to fill the GPU with one block per program take half a block per program (H200, 16-layer graphs,
     # attend us, 16 -> 32 splits: 1 x 32k 5.81 -> 5.18, 1 x 128k 5.78 -> 5.12, 4 x 32k 6.07 -> 5.68; 8 x 32k even).
     halves = splits >= 2 * topk and bs % 2 == 0 and (bs // 2 >= 16 or interpreting())
-    splits = 2 * topk if halves else max(1, min(splits, topk))
+    # No split without a block: 5 splits of 16 blocks would walk 4, 4, 4, 4 and none (H200, attend us, 5 -> 4
+    # splits: 24 x 32k 13.06 -> 12.71; 11 -> 8: 12 x 32k 9.59 -> 9.48).
+    splits = 2 * topk if halves else cdiv(topk, cdiv(topk, max(1, min(splits, topk))))
     m, l, acc = _split_partials(out, splits)
     cu, ctx = prefill if prefill is not None else (seq_lens, seq_lens)
     block_h = max(16, next_pow2(num_heads // kv_heads))
