@@ -32,8 +32,9 @@ def main(argv: list[str]) -> None:
         contexts = set()
         for (label, dql), style in styles.items():
             for i, req in enumerate(batches):
-                pts = sorted((r["context"] // 1024, r["total_us"]) for lab, r in rows if lab == label
-                             and r["dql"] == dql and r["requests"] == req and (r["heads"], r["kv_heads"]) == (heads, kv_heads))
+                case = (label, dql, req, heads, kv_heads)
+                pts = sorted((r["context"] // 1024, r["total_us"]) for lab, r in rows
+                             if (lab, r["dql"], r["requests"], r["heads"], r["kv_heads"]) == case)
                 if pts:
                     contexts.update(c for c, _ in pts)
                     ax.plot(*zip(*pts), style, marker="o", color=f"C{i}", label=f"{req} req, {dql} q, {label}")

@@ -2,10 +2,10 @@
 
 Decode: each op captured as 16 consecutive layers per CUDA graph, every layer on block tables of its own into one
 pool of pages, the graphs replayed in turn so that one round reads >= 256 MB (the L2 holds 60): median of
-event-timed replays divided by 16; also one op per graph. Prefill: eager
-launches after 0.2 s of the case's own calls, median of 30 event-timed calls (10 at 128k) queued back to back
-behind an L2 eviction each, as ``triton.testing.do_bench`` times them; also each call alone after a
-synchronisation (the host's time before its first kernel included). Prints markdown tables.
+event-timed replays divided by 16; also one op per graph. Prefill: eager launches after 0.2 s of the case's own
+calls, median of 30 event-timed calls (10 at 128k) queued back to back behind an L2 eviction each, as
+``triton.testing.do_bench`` times them; also each call alone after a synchronisation (the host's time before its
+first kernel included). Prints markdown tables.
 """
 from __future__ import annotations
 
