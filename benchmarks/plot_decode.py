@@ -1,5 +1,6 @@
 """Plot decode total µs against context from `python -m m3sparse bench --json` files: one panel per head shape, one
-colour per batch size, one line style per (file label, query tokens per request); the anchors on the 16/1 panel.
+colour per batch size, one line style per (file label, query tokens per request); the anchors (``bench.DECODE_ANCHORS``)
+on their head shape's panel.
 
 usage: python benchmarks/plot_decode.py OUT.png LABEL=bench.json [LABEL=bench.json ...]
 """
@@ -13,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-ANCHORS_16_1 = {1: (13.7, 18.1), 8: (27.3, 72.1), 32: (77.4, 272.5), 128: (305.2, 1225.7)}  # total µs, 32k / 128k
+from m3sparse.bench import DECODE_ANCHORS  # noqa: E402
 
 
 def _context_label(kib: int) -> str:
@@ -38,11 +39,12 @@ def main(argv: list[str]) -> None:
                 if pts:
                     contexts.update(c for c, _ in pts)
                     ax.plot(*zip(*pts), style, marker="o", color=f"C{i}", label=f"{req} req, {dql} q, {label}")
-        if (heads, kv_heads) == (16, 1):
-            for i, req in enumerate(batches):
-                if req in ANCHORS_16_1:
-                    ax.plot([32, 128], ANCHORS_16_1[req], "x", color=f"C{i}", markersize=9,
-                            label="anchor, 1 q (colour: requests)" if i == 0 else None)
+        labelled = False
+        for (req, context, dql, h, kv), (index_us, attend_us) in DECODE_ANCHORS.items():
+            if (dql, h, kv) == (1, heads, kv_heads) and req in batches:
+                ax.plot(context // 1024, index_us + attend_us, "x", color=f"C{batches.index(req)}", markersize=9,
+                        label=None if labelled else "anchor, 1 q (colour: requests)")
+                labelled = True
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ticks = sorted(contexts)
