@@ -600,8 +600,9 @@ def test_prefill_attention_tile_and_row_paths(target, max_union, order_group, mo
 @pytest.mark.parametrize("pass_rows", [None, 7])
 def test_prefill_rows_by_kv_block(target, kv_dtype, scale_kind, pass_rows, monkeypatch):
     """Rows no tile takes (max_union 0) through the KV-block launches, in one pass or passes of 7 rows, ids with
-    repeats, negatives, ids past the row's own block or the table, NaN in every unwritten cache slot, padding
-    rows past cu_seqlens_q[-1] (output 0); the per-row kernel must not run."""
+    repeats, negatives, ids past the row's own block or the table, earlier blocks with no page in the cache, NaN
+    in every unwritten cache slot, padding rows past cu_seqlens_q[-1] (output 0); the per-row kernel must not
+    run."""
     from m3sparse.kernels import sparse_attn, sparse_attn_kv_major
     from m3sparse.kernels.sparse_attn import sparse_attn_prefill
     monkeypatch.setattr(sparse_attn, "_row_attn", None)
@@ -620,6 +621,9 @@ def test_prefill_rows_by_kv_block(target, kv_dtype, scale_kind, pass_rows, monke
     noise = torch.randint(-2, batch.block_table.shape[1] + 3, ids.shape, generator=gen, dtype=torch.int32)
     ids = torch.where((torch.rand(ids.shape, generator=gen) < 0.3).to(ids.device), noise.to(ids.device), ids)
     ids[..., 1] = ids[..., 0]  # a repeated id counts once
+    # Blocks before the rows' own ones whose pages lie outside the cache: no keys (not page 0's).
+    batch.block_table[0, 1] = -1
+    batch.block_table[1, 0] = batch.kv_cache.shape[0] + 3
     pad = 5
     q = torch.cat([batch.q, torch.randn_like(batch.q[:pad])])
     ids_padded = torch.cat([ids, torch.randint(-9, 99, (ids.shape[0], pad, 4), dtype=ids.dtype).to(ids.device)], 1)
