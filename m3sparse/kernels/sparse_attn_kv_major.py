@@ -4,10 +4,11 @@ selected is loaded once for all of them, and each row's 16 single-block results 
 The tile kernel wins where a tile's rows share their blocks; rows with unrelated selections (uniformly random
 ones: 4 rows hold ~61 distinct blocks) leave it nothing to share, and the per-row kernel reloads every selected
 block for every row (8k on a 120k prefix: 8.6 GB of L2 traffic, 1.2 ms on the H200). Here the (row, block)
-pairs are bucketed by (KV head, request, block) and cut into chunks of CHUNK pairs; a program loads its chunk's
-block once and computes the softmax of TQ rows x all query heads of the KV head per dot against it. What that
-costs instead: each pair's normalized output ([H, D] in the query dtype) and log-sum-exp go to memory and are
-read back by the merge (8k on 120k random: 0.70 ms for all of it; docs/perf-notes.md v21).
+pairs are bucketed by (KV head, request, block, whether it is the row's own block: only those chunks mask keys
+per row) and cut into chunks of CHUNK pairs; a program loads its chunk's block once and computes the softmax of TQ
+rows x all query heads of the KV head per dot against it. What that costs instead: each pair's normalized output
+([H, D] in the query dtype) and log-sum-exp go to memory and are read back by the merge (8k on 120k random: 0.70 ms
+for all of it; docs/perf-notes.md v21).
 
 Launches, all sync-free (buffers sized by the pair count's bound, Hkv x rows x k):
 1. ``_pair_rank_kernel``: each valid pair (a row's first occurrence of an id in the cache and at or before its
@@ -198,8 +199,8 @@ def _kv_major_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, bt_ptr
         v = tl.load(base + D, mask=loaded[:, None], other=0.0)
         slot = page * BS + j
         k_mult, v_mult = softmax_multipliers(scale, v_factor, ks_ptr, vs_ptr, K_SCALE, V_SCALE)
-        # Pairs of other rows than the block's own see all of a block loaded whole: no mask per key (8k on a 120k
-        # prefix, random selections: ~94 % of the chunks).
+        # Pairs of rows the block is not the own block of (15 of each row's 16) see all of a block loaded whole: no
+        # mask per key.
         if (own_blocks == 0) & (blk * BS + BS <= seq_len):
             _kv_block_steps(q_ptr, q_st, q_sh, k, v, loaded, key_pos, slot, g, pos_shift, r0, start, n, pair_ptr,
                             ks_ptr, ks_sh, vs_ptr, vs_sh, k_mult, v_mult, o_ptr, lse_ptr, H, G, GP, TQ, D, TOPK,
