@@ -6,6 +6,7 @@ A tiny random text model: 1 dense + 2 sparse attention layers, head size 128, bl
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -76,9 +77,11 @@ def test_chunked_prefill_then_greedy_generation_match(models):
     ref, ours = models
     prompt = torch.randint(3, 512, (1, 2150), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        cache = transformers.DynamicCache(config=ours.config)
-        ours(prompt[:, :1000], past_key_values=cache, use_cache=True)  # chunk 1 ends mid-block
-        chunked = ours(prompt[:, 1000:], past_key_values=cache, use_cache=True).logits[:, -1]
+        # The model's cache argument: `cache` in current transformers (5.24 here), `past_key_values` before it.
+        name = "cache" if "cache" in inspect.signature(ours.forward).parameters else "past_key_values"
+        cache = {name: transformers.DynamicCache(config=ours.config)}
+        ours(prompt[:, :1000], **cache, use_cache=True)  # chunk 1 ends mid-block
+        chunked = ours(prompt[:, 1000:], **cache, use_cache=True).logits[:, -1]
         whole = ref(prompt).logits[:, -1]
     assert rel(chunked, whole) <= 1e-5
     want = ref.generate(prompt, max_new_tokens=8, do_sample=False)

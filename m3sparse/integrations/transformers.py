@@ -64,9 +64,10 @@ class _PagedState:
         self.kv_cache, self.index_cache, self.block_table = kv, ic, table
 
 
-def _sparse_attention_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None,
-                              past_key_values=None, **kwargs):
-    """Drop-in forward of a transformers MiniMax-M3 sparse attention layer, on m3sparse."""
+def _sparse_attention_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, **kwargs):
+    """Drop-in forward of a transformers MiniMax-M3 sparse attention layer, on m3sparse (its KV and index caches are
+    the layer's own paged state: the model's cache argument, ``cache`` or ``past_key_values`` by the transformers
+    release, is not read)."""
     rope = sys.modules[type(self).__module__].apply_rotary_pos_emb
     state: _PagedState = self._m3sparse_state
     ind = self.indexer
