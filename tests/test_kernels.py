@@ -453,6 +453,44 @@ def test_index_prefill_writes_every_padding_row(target, splits):
     assert_same_selection(batch, got.cpu(), ref.cpu(), topk=5, tol=2e-2 if target == "cuda" else 1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("splits, local_blocks, init_blocks", [(None, 1, 0), (1, 2, 1), (2, 1, 1), (4, 0, 0)])
+def test_hopper_index_scoring_matches_reference(dtype, splits, local_blocks, init_blocks, monkeypatch):
+    """The Gluon prefill scorer (one 16-bit index head, k = 16, sm_90): a chunk on a prefix, a fresh prefill, a
+    short chunk on a long prefix, a chunk starting mid-block, padding rows, a block holding a NaN key (it ranks
+    lowest), unwritten (NaN) slots after each request, its blocks in one program or split (merged candidates),
+    launched twice (the same ids); the test fails if another kernel scored."""
+    if not (torch.cuda.get_device_capability() == (9, 0) and triton.__version__.startswith("3.6.")):
+        pytest.skip("the Gluon scorer runs on sm_90 with Triton 3.6")
+    from m3sparse.kernels import index_topk_gluon
+    from m3sparse.kernels.index_topk import PREFILL_BLOCK_M, _index_topk_prefill
+    calls = []
+    launch_hopper = index_topk_gluon.score_topk_hopper
+    monkeypatch.setattr(index_topk_gluon, "score_topk_hopper",
+                        lambda *a: (calls.append(a[8]), launch_hopper(*a))[1])
+    batch = make_batch([(9000, 700), (0, 2100), (130_000, 9), (127, 130)], heads=16, kv_heads=1, block_size=128,
+                       q_dtype=dtype, index_dtype=dtype, seed=3 + (splits or 0), device="cuda")
+    batch.index_cache[batch.index_block_table[0, 5], 7, 3] = float("nan")
+    pad = 70
+    batch.index_q = torch.cat([batch.index_q, torch.randn(pad, 1, 128, device="cuda").to(dtype)])
+    batch.rows += [(-1, -1)] * pad
+    meta = batch.prefill_meta()
+    sel = dict(topk=16, local_blocks=local_blocks, init_blocks=init_blocks)
+    runs = []
+    for _ in range(2):  # the second launch takes launch()'s cached path
+        got = poisoned_ids(1, batch.index_q.shape[0], 16, "cuda")
+        _index_topk_prefill(batch.index_q, batch.index_cache, batch.index_block_table, meta["cu_seqlens_q"],
+                            meta["context_lens"], meta["max_query_len"], 16, local_blocks, init_blocks, got,
+                            block_m=PREFILL_BLOCK_M, splits=splits)
+        runs.append(got)
+    assert len(calls) == 2, "the Gluon scorer did not run"
+    assert torch.equal(runs[0], runs[1])
+    assert (runs[0][:, -pad:] == -1).all()
+    ref = batch.index_prefill(impl=reference, **sel)
+    assert_same_selection(batch, runs[0].cpu(), ref.cpu(), **sel, tol=2e-2)
+
+
 def _locate_all(cu, n, tq, tile):
     """locate_prefill for x = 0 .. n-1, through a one-line test kernel: [n, 2] (request, its first tile)."""
     from locate_kernel import locate_kernel
