@@ -21,12 +21,12 @@ import torch
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .block_keys import block_of_key, packed_block_key
 from .common import device_capability
+from .gluon_ring import barrier_ring, retire_ring
 from .launch import launch
 
 # Rows per program (one warpgroup's wgmma M), slots in the key ring, the k this kernel keeps.
@@ -138,12 +138,7 @@ def _score_blocks(iq_ptr, iq_st, desc, bt_row, num_pages, row0, nrows, first, ti
     q_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     k_smem = gl.allocate_shared_memory(desc.dtype, [STAGES, BS, D], desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for b in gl.static_range(STAGES):
-        mbarrier.init(bars.index(b), count=1)
-    # The barriers' initialisation visible to the async proxy (TMA completes on them) before any copy.
-    fence_async_shared()
-    gl.thread_barrier()
+    bars = barrier_ring(STAGES)
     nb = count + 1 - count % 2
     for b in gl.static_range(STAGES - 1):
         _issue_block(desc, bars, k_smem, bt_row, num_pages, lo, b, count, nb, STAGES, BS)
@@ -181,8 +176,7 @@ def _score_blocks(iq_ptr, iq_st, desc, bt_row, num_pages, row0, nrows, first, ti
     pend = _fold_block(s_a, nb - 1, count, lo, unmasked_end, pend, pos, jn, colp, rows_m, BS)
     base = (nb - 1) // K * K
     top = _merge_pending(top, pend, lo + base, count - base, own_m, colp, LOCAL, INIT, p_layout, ROWS, NB_PAD)
-    for b in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(b))
+    retire_ring(bars, STAGES)
     return top
 
 

@@ -26,6 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import device_capability
+from .gluon_ring import barrier_ring, retire_ring
 from .launch import launch
 
 # The tile shape this kernel is written for (M = TQ x group = 64 rows: one warpgroup), 64-key chunks of 128-key
@@ -166,12 +167,7 @@ def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count
 
         k_smem = gl.allocate_shared_memory(kv_desc.dtype, [STAGES, BLOCK_N, D], kv_desc.layout)
         v_smem = gl.allocate_shared_memory(kv_desc.dtype, [STAGES, BLOCK_N, D], kv_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(STAGES):
-            mbarrier.init(bars.index(b), count=1)
-        # The barriers' initialisation visible to the async proxy (TMA completes on them) before any copy.
-        fence_async_shared()
-        gl.thread_barrier()
+        bars = barrier_ring(STAGES)
         n_chunks = count * SUB
         for b in gl.static_range(STAGES - 1):
             _issue_chunk(kv_desc, bars, k_smem, v_smem, _chunk_page(entries, b, n_chunks, N, SUB), b, n_chunks, g,
@@ -205,8 +201,7 @@ def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count
                                                            l_i, acc, r, pos, last_pos, jn, v_rows, N, SUB, BS,
                                                            BLOCK_N, D, G, STAGES, p_op, rows_o, ld)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        for b in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(b))
+        retire_ring(bars, STAGES)
         ro = gl.arange(0, M, layout=rows_o)
         do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
         live_o = (ro // G) < nrows
