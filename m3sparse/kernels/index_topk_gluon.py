@@ -11,7 +11,8 @@ v27: Triton waits for each block's dot before its maxima, so a program's tensor 
   movement), and every k blocks one merge folds them into the rows' top-k: their packed keys (``block_keys``) moved
   to one thread per row, sorted by a bitonic network in registers, and merged with the sorted top-k (as the Triton
   scorer merges 16 blocks at a time). A merge per block instead (a block's key replacing the row's smallest) issued
-  about twice the instructions of the dots' loop and was no faster than Triton (docs/perf-notes.md v27, v28).
+  about twice the instructions of a loop that only takes the maxima, and was no faster than Triton (docs/perf-notes.md
+  v27, v28).
 """
 from __future__ import annotations
 
