@@ -19,12 +19,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import index_topk
 from .block_keys import block_of_key, packed_block_key
 from .common import device_capability
 from .gluon_ring import barrier_ring, retire_ring
@@ -35,6 +35,7 @@ ROWS, STAGES, TOPK = 64, 3, 16
 NEG_INF = gl.constexpr(float("-inf"))
 _packed_key = gluon.jit(packed_block_key.fn)
 _block_of = gluon.jit(block_of_key.fn)
+_max_propagating_nan = gluon.jit(index_topk._max_propagating_nan.fn)  # the Triton scorer's block maximum
 
 
 def gluon_scores_fit(index_q: torch.Tensor, index_cache: torch.Tensor, topk: int) -> bool:
@@ -46,12 +47,6 @@ def gluon_scores_fit(index_q: torch.Tensor, index_cache: torch.Tensor, topk: int
             and index_cache.dtype == index_q.dtype and dim == 128 and bs == 128 and width == 128 and topk == TOPK
             and pages > 0 and index_cache.is_contiguous() and index_cache.data_ptr() % 16 == 0
             and device_capability(index_q.device.index) == (9, 0))
-
-
-@gluon.jit
-def _max_propagating_nan(a, b):
-    """A block holding a NaN score scores NaN (as the reference's amax), which then ranks lowest."""
-    return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @gluon.jit
