@@ -16,18 +16,15 @@ v27: Triton waits for each block's dot before its maxima, so a program's tensor 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import index_topk
 from .block_keys import block_of_key, packed_block_key
 from .common import device_capability
-from .gluon_ring import barrier_ring, retire_ring
+from .gluon_tma import barrier_ring, retire_ring, tma_descriptor
 from .launch import launch
 
 # Rows per program (one warpgroup's wgmma M), slots in the key ring, the k this kernel keeps.
@@ -226,19 +223,13 @@ def score_topk_hopper_kernel(iq_ptr, iq_st, desc, bt_ptr, bt_sb, width, num_page
                 gl.store(cand_ptr + off, gl.where(top > 0, top, 0), mask=live[:, None])
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_layout(dtype: torch.dtype):
-    """The shared-memory layout of a [128, 128] key block (computed once: host time per call)."""
-    return gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
-
-
 def score_topk_hopper(index_q, index_cache, block_table, cand, out, cu_seqlens_q, context_lens, tiles, splits,
                       local_blocks, init_blocks, nb_pad):
     """Launch over (tiles, requests + 1, splits) with ``_index_topk_prefill``'s tiling (64 rows per tile): ids into
     ``out`` when splits == 1, else candidates into ``cand``."""
     pages = index_cache.shape[0]
     rows = index_cache.view(pages * 128, 128)
-    desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [128, 128], _smem_layout(rows.dtype))
+    desc = tma_descriptor(rows, (128, 128))
     batch, width = block_table.shape
     # The descriptor's dtype is the queries' (checked by gluon_scores_fit), part of launch()'s specialization key.
     launch(score_topk_hopper_kernel, (tiles, batch + 1, splits), index_q, index_q.stride(0), desc, block_table,

@@ -16,17 +16,14 @@ from the cache (stale slots past the sequence could hold NaN, and 0 x NaN is NaN
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import device_capability
-from .gluon_ring import barrier_ring, retire_ring
+from .gluon_tma import barrier_ring, retire_ring, tma_descriptor
 from .launch import launch
 
 # The tile shape this kernel is written for (M = TQ x group = 64 rows: one warpgroup), 64-key chunks of 128-key
@@ -212,13 +209,6 @@ def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count
                  o.to(o_ptr.dtype.element_ty), mask=live_o[:, None])
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_layout(dtype: torch.dtype, dim: int):
-    """The shared-memory layout of a [BLOCK_N, dim] chunk (computed once: ~6 µs of host time per call)."""
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_N, dim], gl.bfloat16 if dtype == torch.bfloat16
-                                                else gl.float16)
-
-
 def sparse_attn_tiles_hopper(q, kv_cache, union, counts, order, tiles, tq, n, max_union, scale, v_factor, out,
                              ordered):
     """Launch over the ``tiles`` x Hkv unions of a prefill batch, each of n = tq x k_pad entries (``_tile_attn``'s
@@ -227,7 +217,7 @@ def sparse_attn_tiles_hopper(q, kv_cache, union, counts, order, tiles, tq, n, ma
     pages, kv_heads, bs, width = kv_cache.shape
     dim = width // 2
     rows = kv_cache.view(pages * kv_heads * bs, width)
-    desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [BLOCK_N, dim], _smem_layout(rows.dtype, dim))
+    desc = tma_descriptor(rows, (BLOCK_N, dim))
     # The descriptor's dtype is q's (checked by gluon_tiles_fit), which is part of launch()'s specialization key.
     launch(sparse_attn_tiles_hopper_kernel, (tiles, kv_heads), q, q.stride(0), q.stride(1), desc, union, counts,
            order, kv_heads, max_union, scale, v_factor, out, out.stride(0), out.stride(1), G=q.shape[1] // kv_heads,
