@@ -644,6 +644,7 @@ def test_prefill_rows_by_kv_block(target, kv_dtype, scale_kind, pass_rows, monke
     from m3sparse.kernels import sparse_attn, sparse_attn_kv_major
     from m3sparse.kernels.sparse_attn import sparse_attn_prefill
     monkeypatch.setattr(sparse_attn, "_row_attn", None)
+    monkeypatch.setattr(sparse_attn, "KV_BLOCK_ABOVE_ROWS", 0)
     spec = dict(requests=[(37, 29), (0, 45), (70, 3), (5, 1)], heads=8, kv_heads=2, block_size=16)
     if target == "cuda":
         spec = dict(requests=[(9000, 700), (0, 2100), (3000, 5), (127, 130)], heads=16, kv_heads=1, block_size=128)
@@ -687,6 +688,7 @@ def test_prefill_by_kv_block_any_batch(target, requests, group, kv_heads, topk, 
     calls = []
     kv_major = sparse_attn.sparse_attn_kv_major
     monkeypatch.setattr(sparse_attn, "sparse_attn_kv_major", lambda *a: (calls.append(1), kv_major(*a))[1])
+    monkeypatch.setattr(sparse_attn, "KV_BLOCK_ABOVE_ROWS", 0)
     dtype = act_dtype(target) if target == "cuda" else torch.float16
     batch = make_batch(requests=requests, heads=group * kv_heads, kv_heads=kv_heads, block_size=16,
                        q_dtype=act_dtype(target), kv_dtype=dtype, seed=seed, device=device_of(target))
@@ -701,6 +703,30 @@ def test_prefill_by_kv_block_any_batch(target, requests, group, kv_heads, topk, 
     sparse_attn_prefill(batch.q, batch.kv_cache, ids, batch.block_table, **batch.prefill_meta(), scale=128 ** -0.5,
                         out=out, k_scale=batch.k_scale, v_scale=batch.v_scale, max_union=0)
     assert calls, "the KV-block launches did not run"
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    assert rel_err(out, batch.attn_prefill(ids, impl=reference)) <= attn_tol(target, dtype)
+
+
+@pytest.mark.parametrize("kv_heads, above", [(1, 0), (1, 62), (2, 124), (2, 123)])
+def test_prefill_rows_by_kv_block_only_in_large_batches(target, kv_heads, above, monkeypatch):
+    """The rows the tiles leave go by KV block only when the batch's rows x KV heads exceed KV_BLOCK_ABOVE_ROWS
+    (62 rows here), else by the per-row kernel; either way they match the reference."""
+    from m3sparse.kernels import sparse_attn
+    from m3sparse.kernels.sparse_attn import sparse_attn_prefill
+    calls = []
+    for name in ("_row_attn", "sparse_attn_kv_major"):
+        real = getattr(sparse_attn, name)
+        monkeypatch.setattr(sparse_attn, name, lambda *a, _n=name, _f=real, **kw: (calls.append(_n), _f(*a, **kw))[1])
+    monkeypatch.setattr(sparse_attn, "KV_BLOCK_ABOVE_ROWS", above)
+    dtype = act_dtype(target) if target == "cuda" else torch.float16  # 16-bit dots on the GPU (kv_major_fits)
+    batch = make_batch(requests=[(30, 40), (0, 22)], heads=4 * kv_heads, kv_heads=kv_heads, block_size=16,
+                       q_dtype=act_dtype(target), kv_dtype=dtype, seed=4, device=device_of(target))
+    ids = batch.index_prefill(impl=reference, topk=4)
+    out = torch.full_like(batch.q, float("nan"))
+    sparse_attn_prefill(batch.q, batch.kv_cache, ids, batch.block_table, **batch.prefill_meta(), scale=128 ** -0.5,
+                        out=out, k_scale=batch.k_scale, v_scale=batch.v_scale, max_union=0)
+    by_kv_block = batch.q.shape[0] * kv_heads > above
+    assert calls == ["sparse_attn_kv_major" if by_kv_block else "_row_attn"]
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
     assert rel_err(out, batch.attn_prefill(ids, impl=reference)) <= attn_tol(target, dtype)
 

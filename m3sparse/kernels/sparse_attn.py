@@ -5,7 +5,8 @@ dots, the split's share of the row's selected blocks is walked with an online so
 one split, ``_merge_splits_kernel`` combines the partial (max, sum, accumulator) triples exactly.
 Prefill uses the tile kernel of ``sparse_attn_tiles`` (a block loaded once for all the rows of a tile that
 chose it) for tiles of small unions, and the KV-block launches of ``sparse_attn_kv_major`` for the other rows
-(the per-row kernel where those do not fit). Speculative decode rows go through the tile kernel (one tile per
+(the per-row kernel in small batches, whose eager calls the KV-block launches' host time would dominate, and
+where those do not fit). Speculative decode rows go through the tile kernel (one tile per
 request, its union split over programs) once there are about as many requests x KV heads as SMs; fewer stay on
 the per-row kernel, whose short programs hide latency better.
 """
@@ -159,6 +160,13 @@ HALF_BLOCK_SPLITS_BELOW = 8
 # One-split decode: the key chunk that fits more programs per SM than whole blocks, and the grid size up to which
 # its three-stage form wins (see _row_pipeline).
 ONE_SPLIT_CHUNK, SHORT_SECOND_WAVE = 64, 208
+# Prefill batches of at most this many rows x KV heads leave the tiles' rows to the per-row kernel, not to the
+# KV-block launches: there the per-row kernel's GPU time is within ~10 us of theirs (at 1k rows on a 120k prefix,
+# random selections: 173 against 164 us; faster at short contexts), and one launch instead of four plus two torch
+# ops takes 100-180 us of host time off an eager call. H200, eager attention op, back to back, us (KV block -> per
+# row): 512 rows 260-514 -> 130-331, 1k on 0 421-497 -> 233-235, 1k on 120k 245-250 -> 127-180. From 2k rows on
+# 120k the KV-block launches save more GPU time than that (random: 235 against 334 us; docs/perf-notes.md v30).
+KV_BLOCK_ABOVE_ROWS = 1024
 
 
 class _Scales:
@@ -340,11 +348,13 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
         tiles = cdiv(q.shape[0], tq) + block_table.shape[0]  # bounds the tile count whatever the lengths
         tiled = _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32,
                            prefill=(cu_seqlens_q, context_lens))
-    # The tiles' rows left over (unions over max_union: selections the rows do not share) by KV block, where it
-    # fits. H200, attention op, ms (per-row kernel -> by KV block): random selections 8k on 120k 1.24 -> 0.71, 32k
-    # 3.51 -> 2.52, 128k 16.5 -> 10.2; where the tiles leave no row, ~20 us of kernels and ~0.17 ms of host time
-    # (8k on 120k locality, eager and host-bound: 0.40 -> 0.51; docs/perf-notes.md v21).
-    if block_table.shape[0] and kv_major_fits(q.shape[1] // kv_cache.shape[1], dot_f32):
+    # The tiles' rows left over (unions over max_union: selections the rows do not share) by KV block, in batches
+    # over KV_BLOCK_ABOVE_ROWS where it fits. H200, attention op, ms (per-row kernel -> by KV block): random
+    # selections 8k on 120k 1.24 -> 0.71, 32k 3.51 -> 2.52, 128k 16.5 -> 10.2; where the tiles leave no row, ~20 us
+    # of kernels and ~0.17 ms of host time (8k on 120k locality, eager and host-bound: 0.40 -> 0.51; perf-notes v21).
+    kv_heads = kv_cache.shape[1]
+    if (block_table.shape[0] and q.shape[0] * kv_heads > KV_BLOCK_ABOVE_ROWS
+            and kv_major_fits(q.shape[1] // kv_heads, dot_f32)):
         sparse_attn_kv_major(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, seq_lens, sc, out,
                              tiled, dot_f32)
         return out
