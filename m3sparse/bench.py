@@ -409,6 +409,11 @@ def bench_prefill(tokens, prefix, heads, kv_heads, pattern="random", requests=1,
                 anchor_attend_ms=anchor[1] if anchor else None, anchor_dense_ms=anchor[2] if anchor else None)
 
 
+def token_label(n: int) -> str:
+    """A token count as the tables print it: 8k for multiples of 1024, else the count (512, 1500)."""
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
 def _fmt(x, spec=".1f"):
     return "—" if x is None else format(x, spec)
 
@@ -425,7 +430,7 @@ def decode_table(rows) -> str:
     for r in rows:
         floor = r["floor_index_us"] + r["floor_attend_us"]
         ratio = r["total_us"] / r["anchor_total_us"] if r["anchor_total_us"] else None
-        lines.append(f"| {r['requests']} | {r['context'] // 1024}k | {r['dql']} | {r['heads']}/{r['kv_heads']} | "
+        lines.append(f"| {r['requests']} | {token_label(r['context'])} | {r['dql']} | {r['heads']}/{r['kv_heads']} | "
                      f"{r['index_us']:.1f} | {r['attend_us']:.1f} | {r['total_us']:.1f} | {100 * floor / r['total_us']:.0f} % | "
                      f"{_fmt(r['anchor_total_us'])} | {_fmt(ratio, '.2f')} | {r['total_single_graph_us']:.1f} | "
                      f"{_fmt(r['attend_shared_us'])} | {_pct(r['fp8_selection_differs_pct'])} |")
@@ -441,8 +446,8 @@ def prefill_table(rows) -> str:
     for r in rows:
         total = r["index_ms"] + r["attend_ms"]
         anchor = (r["anchor_index_ms"] + r["anchor_attend_ms"]) if r["anchor_index_ms"] else None
-        tokens = f"{r['requests']} × {r['tokens'] // 1024}k" if r["requests"] > 1 else f"{r['tokens'] // 1024}k"
-        lines.append(f"| {tokens} | {r['prefix'] // 1024}k | {r['heads']}/{r['kv_heads']} | {r['pattern']} | "
+        tokens = f"{r['requests']} × {token_label(r['tokens'])}" if r["requests"] > 1 else token_label(r["tokens"])
+        lines.append(f"| {tokens} | {token_label(r['prefix'])} | {r['heads']}/{r['kv_heads']} | {r['pattern']} | "
                      f"{r['distinct_per_64']:.1f} | "
                      f"{r['index_ms']:.3f} ({r['index_tflops']:.0f}) | {r['attend_ms']:.3f} ({r['attend_tflops']:.0f}) | "
                      f"{total:.3f} | {_fmt(anchor, '.2f')} | {_fmt(total / anchor if anchor else None, '.2f')} | "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from m3sparse import bench
 from m3sparse.bench import parse_prefill_cases
 
 
@@ -49,3 +50,9 @@ def test_decode_rotation_reads_past_the_l2_and_pools_every_page(requests, pages_
     assert graphs * LAYERS_PER_GRAPH * layer_bytes >= ROTATED_BYTES or graphs == MAX_GRAPHS
     assert (graphs - 1) * LAYERS_PER_GRAPH * layer_bytes < ROTATED_BYTES  # no more graphs than that needs
     assert pool >= requests * pages_per and pool * page_bytes >= 2 * ROTATED_BYTES
+
+
+@pytest.mark.parametrize("n, label", [(0, "0k"), (512, "512"), (1500, "1500"), (8192, "8k"), (122880, "120k"),
+                                      (1 << 20, "1024k")])
+def test_token_labels_never_round_a_count_down(n, label):
+    assert bench.token_label(n) == label
