@@ -163,8 +163,8 @@ ONE_SPLIT_CHUNK, SHORT_SECOND_WAVE = 64, 208
 # Prefill batches of at most this many rows x KV heads leave the tiles' rows to the per-row kernel, not to the
 # KV-block launches: there the per-row kernel's GPU time is within ~10 us of theirs (at 1k rows on a 120k prefix,
 # random selections: 173 against 164 us; faster at short contexts), and one launch instead of four plus two torch
-# ops takes 100-180 us of host time off an eager call. H200, eager attention op, back to back, us (KV block -> per
-# row): 512 rows 260-514 -> 130-331, 1k on 0 421-497 -> 233-235, 1k on 120k 245-250 -> 127-180. From 2k rows on
+# ops takes ~50-170 us of host time off an eager call. H200, eager attention op, back to back, us (KV block -> per
+# row): 512 rows 217-229 -> 110-134, 1k on 0 351-354 -> 188-199, 1k on 120k 222-232 -> 122-180. From 2k rows on
 # 120k the KV-block launches save more GPU time than that (random: 235 against 334 us; docs/perf-notes.md v30).
 KV_BLOCK_ABOVE_ROWS = 1024
 
