@@ -8,7 +8,7 @@ into the shared top-k buffer, and hands over to its impl for the attention.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Optional, Sequence
 
@@ -110,6 +110,9 @@ class MiniMaxM3SparsePrefillMetadata:
     max_query_len: int
     max_seq_len: int
     total_kv_blocks: int             # sum over the prefill requests of ceil(seq_len / block_size)
+    # Where every row sees at most topk blocks: each row's selection (all of them), int32 [rows, topk], computed
+    # by the step's first sparse layer (``MiniMaxM3SparseImpl.select``) and reused by the others.
+    every_visible_block: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -290,6 +293,20 @@ class MiniMaxM3SparseMetadataBuilder:
             decode_query_len=dql, decode=decode, prefill=prefill)
 
 
+def _every_visible_block(p: MiniMaxM3SparsePrefillMetadata, rows: int, topk: int, block_size: int) -> torch.Tensor:
+    """int32 [rows, topk]: row t's blocks 0..c_t ascending, then -1 (c_t: the block of its position), as the indexer
+    selects them for rows that see at most topk blocks; kept on ``p`` for the step's other layers. No host sync."""
+    sel = p.every_visible_block
+    if sel is None or tuple(sel.shape) != (rows, topk):
+        cu = p.cu_seqlens_q
+        t = torch.arange(rows, dtype=torch.int32, device=cu.device)
+        req = torch.searchsorted(cu[1:], t, right=True)  # the request of row t (zero-length requests skipped)
+        own = (p.context_lens[req] + t - cu[req]) // block_size
+        blk = torch.arange(topk, dtype=torch.int32, device=cu.device)
+        sel = p.every_visible_block = torch.where(blk <= own[:, None], blk, -1).to(torch.int32)
+    return sel
+
+
 class MiniMaxM3SparseImpl:
     """Attention strategy base: holds the layer's heads, scale, KV cache dtype and fp8 scales, top-k and block
     size. A subclass chooses the ops (``self.ops``: a module with the public op signatures)."""
@@ -322,9 +339,16 @@ class MiniMaxM3SparseImpl:
                                        d.decode_query_len, out=buf[:nd].transpose(0, 1), **sel)
         if md.prefill is not None:
             p = md.prefill
-            self.ops.index_topk_prefill(index_q[nd:total], layer.index_cache, p.index_block_table, p.cu_seqlens_q,
-                                        p.seq_lens, p.context_lens, p.max_query_len,
-                                        out=buf[nd:total].transpose(0, 1), **sel)
+            out = buf[nd:total].transpose(0, 1)
+            if p.max_seq_len <= self.topk * self.block_size:
+                # Every row sees at most topk blocks, so it selects all of them (spec, section 1) whatever the scores:
+                # one selection serves every layer of the step, a copy per layer in place of an index op (H200 host,
+                # eager call + sync, 512 / 2k-token prompt: 134 / 115 -> 32 / 30 us; docs/benchmarks.md v30).
+                out.copy_(_every_visible_block(p, total - nd, self.topk, self.block_size)[None])
+            else:
+                self.ops.index_topk_prefill(index_q[nd:total], layer.index_cache, p.index_block_table,
+                                            p.cu_seqlens_q, p.seq_lens, p.context_lens, p.max_query_len, out=out,
+                                            **sel)
 
     def forward(self, layer: "SparseAttentionLayer", query: torch.Tensor, kv_cache: torch.Tensor,
                 output: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -229,6 +230,65 @@ def test_engine_loop_matches_from_scratch_reference(num_spec, kv_dtype, layout, 
     assert seen["padding"] >= 1
     if num_spec:
         assert seen["rejected"] >= 3, "some drafts must be rejected and rolled back"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_short_prefill_steps_select_every_visible_block_without_the_indexer(device, monkeypatch):
+    """A step whose prefill rows all see at most topk blocks fills the top-k buffer with every visible block (what
+    the indexer selects there) and runs no index op; a step with a longer prefill runs it. Ids and outputs against
+    the from-scratch reference, prompts of 1-4 blocks and longer ones, chunked under the engine's token budget."""
+    calls = []
+    real = MiniMaxM3SparseTritonImpl.ops
+    spy = SimpleNamespace(**vars(real))
+    spy.index_topk_prefill = lambda *a, **kw: (calls.append(1), real.index_topk_prefill(*a, **kw))[1]
+    monkeypatch.setattr(MiniMaxM3SparseTritonImpl, "ops", spy)
+    cfg = m3sparse.SparseConfig(num_heads=4, num_kv_heads=2, block_size=16, topk=4)
+    eng = ToyEngine(cfg, 0, "float16" if device == "cpu" else "bfloat16", "HND", seed=7, device=device)
+    short = long = chunks_on_prefix = 0
+    # Two 60-token prompts in one step: the second is chunked (36 + 24 tokens), its second chunk a short step on a
+    # 36-token prefix.
+    for step, prompts in enumerate([[60, 60], [], [5], [64, 33], [16], [140], [7], [100], [20, 1]]):
+        for prompt in prompts:
+            eng.admit(prompt=prompt, gen=3)
+        before = len(calls)
+        batch, md, rows, outs = eng.step()
+        if md.prefill is not None:
+            scored = md.prefill.max_seq_len > cfg.topk * cfg.block_size
+            assert (len(calls) > before) == scored, f"step {step}: index op run {len(calls) - before} times"
+            short += not scored
+            long += scored
+            chunks_on_prefix += not scored and any(r is not None and 0 < r.computed < r.prompt for r, _ in batch)
+        for r, start, n in rows:
+            if r is None or r.computed >= r.prompt:
+                continue
+            ids, want = eng.from_scratch(r, 1, n)
+            got_ids = eng.topk_buf[start:start + n].transpose(0, 1).cpu()
+            assert torch.equal(got_ids.sort(-1).values, ids.sort(-1).values), f"step {step}, request {r.rid}"
+            got = outs[1][start:start + n]
+            err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            assert err <= (1e-4 if device == "cpu" else 2e-2), f"step {step}, request {r.rid}: rel. error {err}"
+        eng.advance(batch)
+    assert short >= 3 and long >= 2 and chunks_on_prefix >= 1
+
+
+def test_short_prefill_selection_with_zero_length_requests_and_prefixes():
+    """The selection a short step writes without the indexer: for each prefill row, blocks 0 to its own, then -1,
+    across zero-length requests (no rows) and chunks on a cached prefix; every KV head alike."""
+    bs, topk = 16, 4
+    builder = MiniMaxM3SparseMetadataBuilder(8, 64, 64 * bs, 0, bs)
+    qlens, computed = [0, 7, 0, 20, 1], [0, 30, 0, 0, 63]
+    table = [list(range(i * 4, i * 4 + 4)) for i in range(len(qlens))]
+    md = builder.build(qlens, computed, table, torch.zeros(sum(qlens), dtype=torch.int64))
+    assert md.num_decodes == 0 and md.prefill.max_seq_len <= topk * bs
+    buf = torch.full((64, 2, topk), -7, dtype=torch.int32)
+    layer = SimpleNamespace(attn_metadata=md, topk_indices_buffer=buf, index_cache=None)
+    impl = MiniMaxM3SparseTritonImpl(4, 128, None, 2, topk=topk, block_size=bs)
+    impl.select(layer, torch.zeros(sum(qlens), 2, 128))
+    want = [[j if j <= pos // bs else -1 for j in range(topk)]
+            for q, c in zip(qlens, computed) for pos in range(c, c + q)]
+    want = torch.tensor(want, dtype=torch.int32)[:, None, :].expand(-1, 2, -1)
+    assert torch.equal(buf[:sum(qlens)], want)
+    assert (buf[sum(qlens):] == -7).all(), "rows past the step's were written"
 
 
 @pytest.mark.gpu
