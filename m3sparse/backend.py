@@ -303,7 +303,7 @@ def _every_visible_block(p: MiniMaxM3SparsePrefillMetadata, rows: int, topk: int
         req = torch.searchsorted(cu[1:], t, right=True)  # the request of row t (zero-length requests skipped)
         own = (p.context_lens[req] + t - cu[req]) // block_size
         blk = torch.arange(topk, dtype=torch.int32, device=cu.device)
-        sel = p.every_visible_block = torch.where(blk <= own[:, None], blk, -1).to(torch.int32)
+        sel = p.every_visible_block = torch.where(blk <= own[:, None], blk, -1)
     return sel
 
 
