@@ -19,7 +19,7 @@ from ._validation import FP8_DTYPES
 from .attention import sparse_attn_decode, sparse_attn_prefill
 from .cache import resolve_cache_dtype, write_index_k, write_kv
 from .config import HEAD_SIZE, SparseConfig
-from .indexer import index_topk_decode, index_topk_prefill
+from .indexer import check_index_inputs, index_topk_decode, index_topk_prefill
 
 
 
@@ -343,7 +343,10 @@ class MiniMaxM3SparseImpl:
             if p.max_seq_len <= self.topk * self.block_size:
                 # Every row sees at most topk blocks, so it selects all of them (spec, section 1) whatever the scores:
                 # one selection serves every layer of the step, a copy per layer in place of an index op (H200 host,
-                # eager call + sync, 512 / 2k-token prompt: 134 / 115 -> 32 / 30 us; docs/benchmarks.md v30).
+                # eager call + sync, 512 / 2k-token prompt: 134 / 115 -> 32 / 30 us without the checks below, which
+                # take ~3 us on a desktop CPU; docs/benchmarks.md v30).
+                # The index op's own input checks still run, so bad input fails the same way in every step.
+                check_index_inputs(index_q[nd:total], layer.index_cache, **sel, out=out)
                 out.copy_(_every_visible_block(p, total - nd, self.topk, self.block_size)[None])
             else:
                 self.ops.index_topk_prefill(index_q[nd:total], layer.index_cache, p.index_block_table,

@@ -37,7 +37,8 @@ def quantize_index_q(index_q: torch.Tensor, out: torch.Tensor | None = None) -> 
     return out
 
 
-def _check_common(index_q, index_cache, topk, local_blocks, init_blocks, out):
+def check_index_inputs(index_q, index_cache, topk, local_blocks, init_blocks, out):
+    """What both index ops check of their inputs, less the batch description; returns the device."""
     check_index_cache(index_cache)
     device = index_cache.device
     check_tensor("index_q", index_q, shape=[None, None, INDEX_HEAD_SIZE], dtypes=QUERY_DTYPES + FP8_QUERY,
@@ -64,7 +65,7 @@ def index_topk_prefill(index_q: torch.Tensor, index_cache: torch.Tensor, block_t
     others (block score = max over its visible keys of index_q . index_k, fp32). Unused slots are -1; the
     order of the valid ids carries no meaning.
     """
-    device = _check_common(index_q, index_cache, topk, local_blocks, init_blocks, out)
+    device = check_index_inputs(index_q, index_cache, topk, local_blocks, init_blocks, out)
     check_prefill_batch(index_q.shape[0], block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
                         index_cache.shape[1], index_cache.shape[0], device)
     out = _new_out(index_q, topk) if out is None else out
@@ -82,7 +83,7 @@ def index_topk_decode(index_q: torch.Tensor, index_cache: torch.Tensor, block_ta
     row r of request b sits at position seq_lens[b] - decode_query_len + r (negative = padding row).
     Returns int32 [Hkv, T, topk] as ``index_topk_prefill``. CUDA-graph safe: no host sync, fixed grid.
     """
-    device = _check_common(index_q, index_cache, topk, local_blocks, init_blocks, out)
+    device = check_index_inputs(index_q, index_cache, topk, local_blocks, init_blocks, out)
     check_decode_batch(index_q.shape[0], block_table, seq_lens, decode_query_len, index_cache.shape[1],
                        index_cache.shape[0], device)
     out = _new_out(index_q, topk) if out is None else out

@@ -273,7 +273,8 @@ def test_short_prefill_steps_select_every_visible_block_without_the_indexer(devi
 
 def test_short_prefill_selection_with_zero_length_requests_and_prefixes():
     """The selection a short step writes without the indexer: for each prefill row, blocks 0 to its own, then -1,
-    across zero-length requests (no rows) and chunks on a cached prefix; every KV head alike."""
+    across zero-length requests (no rows) and chunks on a cached prefix; every KV head alike. Bad index queries
+    raise as in a step that scores."""
     bs, topk = 16, 4
     builder = MiniMaxM3SparseMetadataBuilder(8, 64, 64 * bs, 0, bs)
     qlens, computed = [0, 7, 0, 20, 1], [0, 30, 0, 0, 63]
@@ -281,8 +282,13 @@ def test_short_prefill_selection_with_zero_length_requests_and_prefixes():
     md = builder.build(qlens, computed, table, torch.zeros(sum(qlens), dtype=torch.int64))
     assert md.num_decodes == 0 and md.prefill.max_seq_len <= topk * bs
     buf = torch.full((64, 2, topk), -7, dtype=torch.int32)
-    layer = SimpleNamespace(attn_metadata=md, topk_indices_buffer=buf, index_cache=None)
+    layer = SimpleNamespace(attn_metadata=md, topk_indices_buffer=buf,
+                            index_cache=m3sparse.new_index_cache(24, torch.float16, block_size=bs))
     impl = MiniMaxM3SparseTritonImpl(4, 128, None, 2, topk=topk, block_size=bs)
+    # The index queries go unread here, but are checked as the index op checks them.
+    with pytest.raises(ValueError, match="index_q"):
+        impl.select(layer, torch.zeros(sum(qlens), 2, 64))
+    assert (buf == -7).all()
     impl.select(layer, torch.zeros(sum(qlens), 2, 128))
     want = [[j if j <= pos // bs else -1 for j in range(topk)]
             for q, c in zip(qlens, computed) for pos in range(c, c + q)]
