@@ -863,6 +863,42 @@ def test_decode_attention_splits(target, splits, kv_dtype, rows_together):
     assert_decode_attention_matches_reference(target, kv_dtype, splits, splits=splits, rows_together=rows_together)
 
 
+@pytest.mark.parametrize("dql", [2, 3, 4])
+@pytest.mark.parametrize("min_tiles", [3, 4])
+def test_decode_rows_together_rule(target, dql, min_tiles, monkeypatch):
+    """By default a request's speculative rows go through the tile kernel as one tile from TILE_MIN_DECODE_TILES
+    (request, KV head) tiles of at least 3 rows on, the union split over as many programs as fill one wave of
+    one per SM (at most k), chained as the rest of the decode step; else through the per-row kernel. Output
+    poisoned first, against the reference."""
+    import m3sparse.kernels.sparse_attn as SA
+    from m3sparse.kernels.dependent_launch import chained_launch
+    monkeypatch.setattr(SA, "TILE_MIN_DECODE_TILES", min_tiles)
+    monkeypatch.setattr(SA, "H200_SMS", 6)  # one wave of one program per SM: 2 per tile of 3, fewer than k
+    launches = []
+    real = SA.launch_each
+
+    def spy(kernel, args, each):
+        launches.extend((kernel, grid, meta) for grid, meta in each)
+        return real(kernel, args, each)
+    monkeypatch.setattr(SA, "launch_each", spy)
+    batch = make_batch([(13, dql), (46, dql), (-dql, dql)], heads=4, kv_heads=1, block_size=16, decode_query_len=dql,
+                       q_dtype=act_dtype(target), seed=dql, device=device_of(target))
+    ids = batch.index_decode(impl=reference, topk=4)
+    meta = batch.decode_meta()
+    out = torch.full_like(batch.q, float("nan"))
+    SA.sparse_attn_decode(batch.q, batch.kv_cache, ids, batch.block_table, meta["seq_lens"], dql, 128 ** -0.5, out,
+                          batch.k_scale, batch.v_scale)
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    assert rel_err(out, batch.attn_decode(ids, impl=reference)) <= attn_tol(target, torch.float16)
+    tiles = [(grid, m) for kernel, grid, m in launches if kernel is SA._sparse_attn_tiles_kernel]
+    if dql >= 3 and min_tiles <= 3:
+        assert len(tiles) == 1
+        grid, m = tiles[0]
+        assert grid == (3, 1, 2) and m["PDL"] == chained_launch(out.device)
+    else:
+        assert tiles == []
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
 def test_decode_attention_half_block_splits(target, kv_dtype, monkeypatch):
     """Rows too few to fill the GPU with a block per program: 2 x k programs per row, each over half a block,

@@ -151,9 +151,8 @@ UNION_WARPS = 1
 # 1.617 -> 1.516 / 1.509, overlap 1.273 -> 1.262 / 1.308; 8k on 120k locality 0.431 -> 0.422 / 0.464; 128k
 # (128-row groups) locality 7.04 -> 6.31, overlap 5.97 -> 5.69 (docs/perf-notes.md v20, v21).
 TILE_ORDER_GROUPS = ((65536, 128), (8192, 32))
-# Decode tiles: at least this many (request, KV head) tiles, each union split over about two programs per SM
-# (the tile kernel's shared memory fits two).
-TILE_MIN_DECODE_TILES, TILE_PROGRAMS = 128, 2 * H200_SMS
+# Decode tiles: at least this many (request, KV head) tiles of at least this many speculative rows each.
+TILE_MIN_DECODE_TILES, TILE_MIN_DECODE_ROWS = 128, 3
 # Decode rows x KV heads below which each row's blocks go in 2k half-block splits (from it: as many splits as fill
 # one wave of one program per SM, one split from ~67).
 HALF_BLOCK_SPLITS_BELOW = 8
@@ -262,12 +261,12 @@ def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
 
 
 def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32, prefill=None,
-               decode=None, splits=1):
+               decode=None, splits=1, pdl=0):
     """The tile kernel over tiles whose block union <= max_union. Prefill: ``prefill`` = (cu_seqlens_q,
     context_lens), the unions built by a launch of their own before the attention's; decode: ``decode`` =
     (seq_lens, decode_query_len), one tile of tq >= decode_query_len rows per request, its union split over
-    ``splits`` programs that each build it. Returns, in prefill, which rows the tile kernel computed ([T, Hkv]
-    int8)."""
+    ``splits`` programs that each build it, chained by dependent launch as ``pdl`` says (PDL_*). Returns, in
+    prefill, which rows the tile kernel computed ([T, Hkv] int8)."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     batch = block_table.shape[0]
@@ -303,7 +302,7 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
             m, l, acc, splits)
     consts = dict(G=group, GP=next_pow2(group), TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N),
                   D=dim, TOPK=topk, TOPK_PAD=topk_pad, K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
-                  IS_DECODE=decode is not None, WRITE_OUT=splits == 1, ORDERED=ordered)
+                  IS_DECODE=decode is not None, WRITE_OUT=splits == 1, ORDERED=ordered, PDL=pdl)
     # Prefill: the union launch, then the attention's (the Gluon kernel's where it fits); decode: one launch.
     launches = [((tiles, kv_heads, 1), dict(consts, BUILD_UNION=True, ATTEND=False, num_warps=UNION_WARPS,
                                             num_stages=1))] if apart else []
@@ -311,12 +310,13 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     if hopper is None:
         launches.append(((tiles, kv_heads, splits), dict(consts, BUILD_UNION=not apart, ATTEND=True,
                                                          num_warps=TILE_WARPS,
-                                                         num_stages=1 if dot_f32 else TILE_STAGES)))
+                                                         num_stages=1 if dot_f32 else TILE_STAGES,
+                                                         launch_pdl=pdl > 0)))
     launch_each(_sparse_attn_tiles_kernel, args, launches)
     if hopper is not None:
         hopper(q, kv_cache, union, counts, order, tiles, tq, tq * topk_pad, max_union, sc.k_mult, sc.v_val, out,
                ordered)
-    _merge_split_partials(m, l, acc, out, splits, 0)
+    _merge_split_partials(m, l, acc, out, splits, pdl)
     return marks
 
 
@@ -375,19 +375,25 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
     tq = next_pow2(decode_query_len)
     fits = decode_query_len > 1 and tq <= rows_per_tile(q.shape[1] // kv_heads, topk, dot_f32)
     tiles = seq_lens.shape[0] * kv_heads
-    # Speculative rows as one tile per request, each block of the request's union loaded once for all its rows:
-    # from ~one tile per SM on (H200, 128 x 32k x 4 rows sharing 12 of 16 blocks: 108.8 -> 72.9 us; independent
-    # rows 127.4 -> 137.5). Fewer tiles leave the tile kernel's per-program latency exposed (32 x 128k x 4
-    # sharing: 29.2 us per row, 34.2 at best as tiles).
+    # Speculative rows as one tile per request, each block of the request's union loaded once for all its rows,
+    # the union split over as many programs as fill one wave of one per SM (one from 128 tiles), chained by
+    # dependent launch (two splits, not chained, before v31: 128 x 32k x 4 rows 67.8 / 128.5 us -> 58.8 / 123.1).
+    # H200, 16-layer graphs, attend us, rows sharing 12 of 16 blocks / independent, per row -> tiles: 128 x 32k x 4
+    # rows 91.7 / 120.4 -> 58.8 / 123.1, 256 x 32k x 4 178.0 / 234.6 -> 103.8 / 222.7, TP1
+    # heads 32 x 32k x 4 91.9 / 121.4 -> 58.8 / 123.7, 128 x 32k x 3 75.8 / 94.1 -> 52.5 / 96.5 (docs/perf-notes.md
+    # v31). Fewer tiles leave the tile kernel's per-program latency exposed (32 x 128k x 4: 26.9 / 34.0 per row,
+    # 30.5 / 49.3 in 4 splits), and two rows per request share too little (128 x 32k x 2: 49.5 / 64.5 per row,
+    # 51.7 / 80.7 as tiles).
     if rows_together is None:
-        rows_together = fits and tiles >= TILE_MIN_DECODE_TILES
+        rows_together = fits and tiles >= TILE_MIN_DECODE_TILES and decode_query_len >= TILE_MIN_DECODE_ROWS
     if rows_together:
         if not fits:
             raise ValueError(f"decode_query_len={decode_query_len} rows do not fit one tile of the tile kernel")
         if splits is None:
-            splits = TILE_PROGRAMS // tiles
+            splits = H200_SMS // tiles
         _tile_attn(q, kv_cache, topk_ids, block_table, seq_lens.shape[0], tq, sc, out, tq * ids_pad(topk),
-                   dot_f32, decode=(seq_lens, decode_query_len), splits=max(1, min(splits, topk)))
+                   dot_f32, decode=(seq_lens, decode_query_len), splits=max(1, min(splits, topk)),
+                   pdl=chained_launch(q.device))
         return out
     # Few rows cannot fill the GPU: split each row's blocks across programs and merge exactly.
     # Measured on the H200 (16-layer graphs, attend us, K / V read from HBM as the bench rotates them since v26):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .dependent_launch import release_consumer, wait_for_producer
 from .online_softmax import attend_keys, softmax_multipliers, store_rows
 from .rows import locate_prefill, prefill_request_rows
 
@@ -192,7 +193,7 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
                               TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr,
                               V_SCALE: tl.constexpr, DOT_F32: tl.constexpr, IS_DECODE: tl.constexpr,
                               WRITE_OUT: tl.constexpr, BUILD_UNION: tl.constexpr, ATTEND: tl.constexpr,
-                              ORDERED: tl.constexpr):
+                              ORDERED: tl.constexpr, PDL: tl.constexpr):
     """One program per (query tile, KV head, split): write the tile's block union (union_ptr: per-program
     scratch [tiles, Hkv, SPLITS, 3, N]), then attend over the split's share of the union if it has at most
     MAX_UNION blocks. Prefill: tile i of a request is its slots (i - first tile) x TQ ..., whose rows
@@ -203,6 +204,7 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
     only the attention, over what such a launch wrote. Decode: tile b is request b's DQL rows (positions
     seq_lens[b] - DQL ...); with SPLITS > 1 the partials go to m/l/acc_ptr [T, SPLITS, H(, D)]."""
     N: tl.constexpr = TQ * TOPK_PAD
+    wait_for_producer(PDL)
     i = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -261,3 +263,4 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
                               kv_ptr, kv_sp, kv_sh, kv_ss, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, o_st,
                               o_sh, m_ptr, l_ptr, acc_ptr, split, SPLITS, G * HKV, g, row0, nrows, pos0, order_ptr,
                               HKV, G, GP, TQ, BS, BLOCK_N, D, N, K_SCALE, V_SCALE, DOT_F32, WRITE_OUT, ORDERED)
+    release_consumer(PDL)
