@@ -890,6 +890,7 @@ def test_decode_rows_together_rule(target, dql, min_tiles, monkeypatch):
                           batch.k_scale, batch.v_scale)
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
     assert rel_err(out, batch.attn_decode(ids, impl=reference)) <= attn_tol(target, torch.float16)
+    assert (out[[t for t, (b, _) in enumerate(batch.rows) if b < 0]] == 0).all()  # the padding request's rows
     tiles = [(grid, m) for kernel, grid, m in launches if kernel is SA._sparse_attn_tiles_kernel]
     if dql >= 3 and min_tiles <= 3:
         assert len(tiles) == 1
