@@ -124,3 +124,41 @@ def test_adversarial_topk_buffer_memcheck():
     own = (seq_lens.repeat_interleave(3) - 3 + torch.arange(batch * 3, device="cuda").remainder(3)).div(
         BS, rounding_mode="floor")
     assert ((got <= own[None, :, None]) | (got == -1)).all()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs of one host")
+def test_ops_run_on_the_device_of_their_tensors():
+    """A model split over the GPUs of one process (a layer per device, the current device left at cuda:0) calls
+    each layer's ops with that layer's tensors: every op runs on their device, as torch ops do, writes what it
+    writes on cuda:0 for the same inputs, bit for bit, and leaves the current device as it was."""
+    torch.cuda.set_device(0)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    kv, ic, table, q, iq = _decode_inputs(3, 9000, heads=16, dql=2, gen=gen)
+    seq_lens = torch.tensor([9000, 300, 5], dtype=torch.int32, device="cuda")
+    keys = torch.randn(40, 1, 128, device="cuda", generator=gen).bfloat16()
+    slots = torch.randperm(kv.shape[0] * BS, device="cuda", generator=gen)[:40]
+    prefill = (torch.tensor([0, 2, 6], dtype=torch.int32, device="cuda"), torch.tensor([9000, 300], dtype=torch.int32,
+               device="cuda"), torch.tensor([8998, 296], dtype=torch.int32, device="cuda"), 4)
+
+    def step(device):
+        to = [x.to(device) for x in (kv, ic, table, q, iq, seq_lens, keys, slots)]
+        kv_d, ic_d, table_d, q_d, iq_d, seq_d, keys_d, slots_d = to
+        m3sparse.write_kv(keys_d, keys_d, kv_d, slots_d)
+        m3sparse.write_index_k(keys_d[:, 0], ic_d, slots_d)
+        ids = torch.full((1, 6, 16), 12345, dtype=torch.int32, device=device)
+        m3sparse.index_topk_decode(iq_d, ic_d, table_d, seq_d, 2, out=ids)
+        out = m3sparse.sparse_attn_decode(q_d, kv_d, ids, table_d, seq_d, 2, out=torch.full_like(q_d, float("nan")))
+        cu, seq_p, ctx_p, max_q = (x.to(device) if isinstance(x, torch.Tensor) else x for x in prefill)
+        p_ids = m3sparse.index_topk_prefill(iq_d, ic_d, table_d[:2], cu, seq_p, ctx_p, max_q,
+                                            out=torch.full((1, 6, 16), 12345, dtype=torch.int32, device=device))
+        p_out = m3sparse.sparse_attn_prefill(q_d, kv_d, p_ids, table_d[:2], cu, seq_p, ctx_p, max_q,
+                                             out=torch.full_like(q_d, float("nan")))
+        torch.cuda.synchronize(device)
+        return [x.cpu() for x in (kv_d, ic_d, ids, out, p_ids, p_out)]
+
+    on_first = step("cuda:0")
+    on_second = step("cuda:1")
+    assert torch.cuda.current_device() == 0
+    assert all(torch.equal(a, b) for a, b in zip(on_first, on_second))
+    assert torch.isfinite(on_first[3]).all() and torch.isfinite(on_first[5]).all()
+    assert (on_first[2] != 12345).all() and (on_first[4] != 12345).all()

@@ -50,6 +50,32 @@ def test_launch_key_separates_random_ints_triton_compiles_apart(values):
     _assert_key_refines_triton(values)
 
 
+def test_launch_enters_the_device_of_its_tensors(monkeypatch):
+    """Triton launches on the current device; ``launch_each`` makes its tensors' device current for the launch when
+    it is another (a model split over the GPUs of one process), and changes nothing when it is the current one.
+    The GPU side is ``test_ops_run_on_the_device_of_their_tensors`` (two GPUs)."""
+    import contextlib
+
+    import m3sparse.kernels.launch as launch_module
+    entered, launched = [], []
+
+    @contextlib.contextmanager
+    def device_context(index):
+        entered.append(index)
+        yield
+
+    monkeypatch.setattr(launch_module, "interpreting", lambda: False)
+    monkeypatch.setattr(launch_module.torch.cuda, "device", device_context)
+    monkeypatch.setattr(launch_module, "_launch_on", lambda device, *a: launched.append((device, list(entered))))
+    x = torch.zeros(4)
+    for tensor_device, current in ((1, 0), (0, 0), (2, 3)):
+        entered.clear()
+        monkeypatch.setattr(launch_module.torch._C, "_cuda_getDevice", lambda: current, raising=False)
+        monkeypatch.setattr(torch.Tensor, "get_device", lambda self: tensor_device)
+        launch_each(None, (3, x, 5), (((1,), {}),))
+        assert launched[-1] == (tensor_device, [] if tensor_device == current else [tensor_device])
+
+
 @pytest.mark.gpu
 def test_fast_launch_keys_compiled_kernels_by_specialization(monkeypatch):
     """``kernels.launch`` reuses a compiled kernel only for arguments that Triton would specialize the same way:

@@ -20,13 +20,13 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _compiled: dict[int, tuple[triton.JITFunction, dict[tuple, tuple]]] = {}
 
 
-def _bound(args: tuple) -> tuple[tuple, list]:
-    """(specialization key, launcher arguments) of a launch's leading arguments, in one pass. The launcher gets each
-    tensor as its address: given a tensor, Triton's launcher calls its ``data_ptr()`` and then asks the driver for
-    the address (``cuPointerGetAttribute``, one driver call per tensor per launch). An int's key is one small int
-    (== 1, multiple of 16, 32-bit range), not a tuple. The lent H200 host, a launch of 12 tensors and 20 ints: 27.0 ->
-    23.1 µs (the launcher alone 11.2 -> 7.9); eager decode steps and prefill calls 2-5 % less host time."""
-    key, raw = [], []
+def _bound(args: tuple) -> tuple[tuple, list, int]:
+    """(specialization key, launcher arguments, device of the first tensor) of a launch's leading arguments, in one
+    pass. The launcher gets each tensor as its address: given a tensor, Triton's launcher calls its ``data_ptr()``
+    and then asks the driver for the address (``cuPointerGetAttribute``, a driver call per tensor per launch). An
+    int's key is one small int (== 1, multiple of 16, 32-bit range), not a tuple. The lent H200 host, a launch of 12
+    tensors and 20 ints: the launcher alone 12.2 -> 8.7 µs, ``launch`` 27.9 -> 26.1 (device choice included)."""
+    key, raw, device = [], [], -1
     for a in args:
         if type(a) is int:
             key.append((1 if a == 1 else 16 if not a & 15 else 0) if _INT32_MIN <= a <= _INT32_MAX
@@ -34,12 +34,14 @@ def _bound(args: tuple) -> tuple[tuple, list]:
             raw.append(a)
         elif isinstance(a, torch.Tensor):
             address = a.data_ptr()
+            if device < 0:
+                device = a.get_device()
             key.append((a.dtype, not address & 15))
             raw.append(address)
         else:
             key.append(type(a))
             raw.append(a)
-    return tuple(key), raw
+    return tuple(key), raw, device
 
 
 def _launch_hooked() -> bool:
@@ -56,17 +58,35 @@ def launch(kernel: triton.JITFunction, grid: tuple[int, ...], *args, **meta) -> 
 
 def launch_each(kernel: triton.JITFunction, args: tuple, launches) -> None:
     """``launch(kernel, grid, *args, **meta)`` for each (grid, meta) of ``launches`` in turn, the arguments'
-    specialization and addresses computed once (~4 µs of host time per launch after the first, on a CPU host)."""
-    if interpreting() or _launch_hooked():
+    specialization and addresses computed once (~4 µs of host time per launch after the first, on a CPU host).
+    The kernels run on the device of the first tensor argument, as torch ops run on their tensors' device: Triton
+    launches on the current device, which is not the tensors' when a model's layers sit on several GPUs of one
+    process."""
+    if interpreting():
         for grid, meta in launches:
             kernel[grid](*args, **meta)
         return
-    device = torch._C._cuda_getDevice()  # torch.cuda.current_device() less its lazy-init check (CUDA tensors: done)
+    bound = _bound(args)
+    device = bound[2]
+    # torch.cuda.current_device() less its lazy-init check (CUDA tensors: done)
+    if device == torch._C._cuda_getDevice():
+        _launch_on(device, kernel, args, bound, launches)
+    else:
+        with torch.cuda.device(device):
+            _launch_on(device, kernel, args, bound, launches)
+
+
+def _launch_on(device: int, kernel: triton.JITFunction, args: tuple, bound: tuple, launches) -> None:
+    """``launch_each`` with ``device`` the current device and ``bound`` = ``_bound(args)``."""
+    if _launch_hooked():
+        for grid, meta in launches:
+            kernel[grid](*args, **meta)
+        return
     held = _compiled.get(id(kernel))
     if held is None:
         held = _compiled[id(kernel)] = (kernel, {})
     table = held[1]
-    spec, raw = _bound(args)
+    spec, raw, _ = bound
     for grid, meta in launches:
         key = (device, tuple(meta.items()), spec)
         entry = table.get(key)
