@@ -66,7 +66,8 @@ def test_launch_enters_the_device_of_its_tensors(monkeypatch):
 
     monkeypatch.setattr(launch_module, "interpreting", lambda: False)
     monkeypatch.setattr(launch_module.torch.cuda, "device", device_context)
-    monkeypatch.setattr(launch_module, "_launch_on", lambda device, *a: launched.append((device, list(entered))))
+    monkeypatch.setattr(launch_module, "_launch_on",
+                        lambda kernel, args, bound, launches: launched.append((bound[2], list(entered))))
     x = torch.zeros(4)
     for tensor_device, current in ((1, 0), (0, 0), (2, 3)):
         entered.clear()

@@ -68,17 +68,16 @@ def launch_each(kernel: triton.JITFunction, args: tuple, launches) -> None:
             kernel[grid](*args, **meta)
         return
     bound = _bound(args)
-    device = bound[2]
     # torch.cuda.current_device() less its lazy-init check (CUDA tensors: done)
-    if device == torch._C._cuda_getDevice():
-        _launch_on(device, kernel, args, bound, launches)
+    if bound[2] == torch._C._cuda_getDevice():
+        _launch_on(kernel, args, bound, launches)
     else:
-        with torch.cuda.device(device):
-            _launch_on(device, kernel, args, bound, launches)
+        with torch.cuda.device(bound[2]):
+            _launch_on(kernel, args, bound, launches)
 
 
-def _launch_on(device: int, kernel: triton.JITFunction, args: tuple, bound: tuple, launches) -> None:
-    """``launch_each`` with ``device`` the current device and ``bound`` = ``_bound(args)``."""
+def _launch_on(kernel: triton.JITFunction, args: tuple, bound: tuple, launches) -> None:
+    """``launch_each`` with ``bound`` = ``_bound(args)``, whose device is the current one."""
     if _launch_hooked():
         for grid, meta in launches:
             kernel[grid](*args, **meta)
@@ -87,7 +86,7 @@ def _launch_on(device: int, kernel: triton.JITFunction, args: tuple, bound: tupl
     if held is None:
         held = _compiled[id(kernel)] = (kernel, {})
     table = held[1]
-    spec, raw, _ = bound
+    spec, raw, device = bound
     for grid, meta in launches:
         key = (device, tuple(meta.items()), spec)
         entry = table.get(key)
