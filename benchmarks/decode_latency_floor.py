@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from m3sparse import bench
 
 STREAM_TILE = 2048  # bf16 elements per load of a program: 16 per thread at 4 warps
 ROTATED_BYTES = 512 << 20  # a stream's launches read at least this much before one of them comes round again
@@ -99,16 +100,7 @@ def _replay_us(calls, reps: int = 50) -> float:
         for c in calls:
             c()
     g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times) / len(calls)
+    return bench._events_median(g.replay, reps) / len(calls)
 
 
 def stream_us(nbytes: int, programs: int) -> float:
@@ -165,19 +157,11 @@ def dependent_load_us(entries: int, steps: int = 4000) -> float:
     run = lambda: _chase_kernel[(1,)](nxt, out, steps, num_warps=1)  # noqa: E731
     run()
     torch.cuda.synchronize()
-    host, i = nxt.cpu().tolist(), 0
+    host, i = nxt.cpu().numpy(), 0
     for _ in range(steps):
-        i = host[i]
+        i = int(host[i])
     assert int(out) == i, "the chase did not follow its cycle"
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times) / steps
+    return bench._events_median(run, 7) / steps
 
 
 # (label, bytes, programs): the index-key and K / V streams of the anchor cases' decode steps.
@@ -202,9 +186,7 @@ def main(argv=None) -> None:
         raise SystemExit("needs a CUDA GPU")
     props = torch.cuda.get_device_properties(0)
     print(f"GPU {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(50):  # clocks up before the first timing
-        a @ a
+    bench._warm_up_gpu()
     rows = []
     for label, nbytes, programs in STREAMS:
         t = stream_us(nbytes, programs)
