@@ -185,7 +185,8 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     props = torch.cuda.get_device_properties(0)
-    print(f"GPU {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"GPU {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
+          f"triton {triton.__version__}")
     bench._warm_up_gpu()
     rows = []
     for label, nbytes, programs in STREAMS:

@@ -59,11 +59,48 @@ def check_block_size(name: str, value: object) -> int:
     return value
 
 
+# The kernels address the elements of q, out, index_q, key, value and index_k as 32-bit offsets from a tensor's
+# first element (cache pages take 64-bit ones), and the elements of a last dimension at stride 1.
+MAX_OFFSET = 2**31 - 1
+
+
+def dense_last_dim(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where the elements of its last dimension are adjacent, else a contiguous copy: the kernels take the
+    other strides of a tensor (a row of q, a request's row of a block table) and step through the last at 1."""
+    return t if t.shape[-1] < 2 or t.stride(-1) == 1 else t.contiguous()
+
+
+def check_offsets(name: str, t: torch.Tensor) -> None:
+    """A tensor the kernels address with 32-bit offsets: its farthest element within 2^31 - 1 of its first."""
+    if t.is_contiguous():
+        far = t.numel() - 1
+    elif t.numel():
+        far = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    else:
+        return
+    if far > MAX_OFFSET:
+        raise ValueError(f"{name} reaches {far + 1} elements past its first, more than the kernels' 32-bit offsets "
+                         f"address (2^31): split the call into fewer tokens")
+
+
+def kernel_input(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``dense_last_dim(t)``, checked by ``check_offsets``."""
+    t = dense_last_dim(t)
+    check_offsets(name, t)
+    return t
+
+
 def check_out(out: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
-              name: str = "out") -> None:
+              name: str = "out", any_strides: bool = False) -> None:
+    """An ``out=`` buffer: shape, dtype and device; its last dimension dense unless the kernels take all of its
+    strides (``any_strides``); within the kernels' 32-bit offsets."""
     if out is None:
         return
     check_tensor(name, out, shape=list(shape), dtypes=(dtype,), device=device)
+    if not any_strides and out.shape[-1] > 1 and out.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride 1), got strides "
+                         f"{list(out.stride())}")
+    check_offsets(name, out)
 
 
 def values_on_host(*tensors: torch.Tensor) -> bool:

@@ -5,7 +5,7 @@ import torch
 
 from . import _ops
 from ._validation import (INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, QUERY_DTYPES, check_block_size, check_positive_int,
-                          check_scale, check_tensor, values_on_host)
+                          check_scale, check_tensor, dense_last_dim, kernel_input, values_on_host)
 from .config import HEAD_SIZE, INDEX_HEAD_SIZE
 
 LAYOUTS = ("HND", "NHD")
@@ -118,6 +118,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     _check_slots(slot_mapping, key.shape[0], num_pages * bs, device)
     check_scale("k_scale", k_scale, kv_heads, num_pages * bs, device)
     check_scale("v_scale", v_scale, kv_heads, num_pages * bs, device)
+    key, value, slot_mapping = kernel_input("key", key), kernel_input("value", value), dense_last_dim(slot_mapping)
     _ops.write_kv(key, value, kv_cache, slot_mapping, *_ops.split_scale(k_scale), *_ops.split_scale(v_scale))
 
 
@@ -131,4 +132,4 @@ def write_index_k(index_k: torch.Tensor, index_cache: torch.Tensor, slot_mapping
     device = index_cache.device
     check_tensor("index_k", index_k, shape=[None, INDEX_HEAD_SIZE], dtypes=QUERY_DTYPES, device=device)
     _check_slots(slot_mapping, index_k.shape[0], index_cache.shape[0] * index_cache.shape[1], device)
-    _ops.write_index_k(index_k, index_cache, slot_mapping)
+    _ops.write_index_k(kernel_input("index_k", index_k), index_cache, dense_last_dim(slot_mapping))

@@ -5,7 +5,7 @@ import torch
 
 from . import _ops
 from ._batch_checks import check_decode_batch, check_prefill_batch
-from ._validation import QUERY_DTYPES, check_out, check_tensor
+from ._validation import QUERY_DTYPES, check_out, check_tensor, dense_last_dim, kernel_input
 from .cache import check_index_cache
 from .config import INDEX_HEAD_SIZE, check_selection
 
@@ -31,6 +31,7 @@ def quantize_index_q(index_q: torch.Tensor, out: torch.Tensor | None = None) -> 
     """
     check_tensor("index_q", index_q, shape=[None, None, INDEX_HEAD_SIZE], dtypes=QUERY_DTYPES)
     check_out(out, index_q.shape, torch.float8_e4m3fn, index_q.device)
+    index_q = kernel_input("index_q", index_q)
     if out is None:
         out = torch.empty(index_q.shape, dtype=torch.float8_e4m3fn, device=index_q.device)
     _ops.quantize_index_q(index_q, out)
@@ -47,7 +48,7 @@ def check_index_inputs(index_q, index_cache, topk, local_blocks, init_blocks, ou
         raise ValueError(f"index_q may be float8_e4m3fn only with a float8_e4m3fn index cache, got a "
                          f"{str(index_cache.dtype).replace('torch.', '')} one")
     check_selection(topk, local_blocks, init_blocks)
-    check_out(out, (index_q.shape[1], index_q.shape[0], topk), torch.int32, device)
+    check_out(out, (index_q.shape[1], index_q.shape[0], topk), torch.int32, device, any_strides=True)
     return device
 
 
@@ -60,7 +61,9 @@ def index_topk_prefill(index_q: torch.Tensor, index_cache: torch.Tensor, block_t
     index_q: [T, Hkv, 128] (bf16/fp16/fp32); index_cache: [nb, bs, 128]; block_table: int32 [B, W] (the
     index cache's table); cu_seqlens_q: int32 [B+1] (rebased to 0); seq_lens, context_lens: int32 [B];
     token i of request b sits at position context_lens[b] + i. Rows past cu_seqlens_q[-1] are padding.
-    Returns (or fills ``out``, any strided view) int32 [Hkv, T, topk]: for a query in block c, every block
+    Inputs may be any strided views (index_q, the block table and the length vectors are copied where their last
+    dimension is not dense). Returns (or fills ``out``, any strided view) int32 [Hkv, T, topk]: for a query in
+    block c, every block
     0..c when c < topk, else the forced blocks (c-local_blocks+1..c, 0..init_blocks-1) plus the best-scoring
     others (block score = max over its visible keys of index_q . index_k, fp32). Unused slots are -1; the
     order of the valid ids carries no meaning.
@@ -68,6 +71,9 @@ def index_topk_prefill(index_q: torch.Tensor, index_cache: torch.Tensor, block_t
     device = check_index_inputs(index_q, index_cache, topk, local_blocks, init_blocks, out)
     check_prefill_batch(index_q.shape[0], block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
                         index_cache.shape[1], index_cache.shape[0], device)
+    index_q = kernel_input("index_q", index_q)
+    block_table, cu_seqlens_q, seq_lens, context_lens = (dense_last_dim(t) for t in (block_table, cu_seqlens_q,
+                                                                                       seq_lens, context_lens))
     out = _new_out(index_q, topk) if out is None else out
     _ops.index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
                             topk, local_blocks, init_blocks, out)
@@ -86,6 +92,8 @@ def index_topk_decode(index_q: torch.Tensor, index_cache: torch.Tensor, block_ta
     device = check_index_inputs(index_q, index_cache, topk, local_blocks, init_blocks, out)
     check_decode_batch(index_q.shape[0], block_table, seq_lens, decode_query_len, index_cache.shape[1],
                        index_cache.shape[0], device)
+    index_q = kernel_input("index_q", index_q)
+    block_table, seq_lens = dense_last_dim(block_table), dense_last_dim(seq_lens)
     out = _new_out(index_q, topk) if out is None else out
     _ops.index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_len, topk, local_blocks,
                            init_blocks, out)

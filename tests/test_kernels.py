@@ -1002,6 +1002,63 @@ def test_adversarial_ids_in_speculative_decode(target, rows_together):
     assert (out[9:] == 0).all()  # the padding request (no context)
 
 
+def _spread(t: torch.Tensor, fill) -> torch.Tensor:
+    """t's values in a view whose last dimension steps by 2, over storage holding ``fill`` between them."""
+    wide = torch.full((*t.shape[:-1], 2 * t.shape[-1]), fill, dtype=t.dtype, device=t.device)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+def test_ops_take_inputs_of_any_strides(target):
+    """Every op given views whose last dimension steps by 2 over garbage (queries, index queries, keys, values,
+    index keys, block tables, lengths, slots) or lengths expanded from one element (stride 0) computes bit for bit
+    what it computes on contiguous inputs. The kernels step through a last dimension at 1: before the ops copied
+    such inputs, they read the garbage (attention off by ~1, other blocks selected)."""
+    dev, nan = device_of(target), float("nan")
+    pre = make_batch([(37, 29), (0, 45)], heads=4, kv_heads=2, block_size=16, q_dtype=act_dtype(target), seed=5,
+                     device=dev)
+    meta = pre.prefill_meta()
+    spread = dict(meta, **{k: _spread(meta[k], -7) for k in ("cu_seqlens_q", "seq_lens", "context_lens")})
+    ids = pre.index_prefill(topk=4)
+    got = m3sparse.index_topk_prefill(_spread(pre.index_q, nan), pre.index_cache, _spread(pre.index_block_table, -3),
+                                      **spread, topk=4, out=poisoned_ids(2, pre.q.shape[0], 4, dev))
+    assert torch.equal(got, ids)
+    want = pre.attn_prefill(ids)
+    got = m3sparse.sparse_attn_prefill(_spread(pre.q, nan), pre.kv_cache, ids, _spread(pre.block_table, -3),
+                                       **spread, k_scale=pre.k_scale, v_scale=pre.v_scale,
+                                       out=torch.full_like(pre.q, nan))
+    assert torch.equal(got, want)
+
+    # Decode: three requests of one length (seq_lens as a stride-0 view), then of three lengths (stride 2).
+    for requests in ([(53, 2)] * 3, [(53, 2), (16 * 5 + 1, 2), (-2, 2)]):
+        dec = make_batch(requests, heads=4, kv_heads=2, block_size=16, q_dtype=act_dtype(target),
+                         decode_query_len=2, seed=6, device=dev)
+        seq_lens = dec.decode_meta()["seq_lens"]
+        odd = seq_lens[:1].expand(3) if len(set(seq_lens.tolist())) == 1 else _spread(seq_lens, 999)
+        ids = dec.index_decode(topk=4)
+        got = m3sparse.index_topk_decode(_spread(dec.index_q, nan), dec.index_cache, _spread(dec.index_block_table, -3),
+                                         odd, 2, topk=4, out=poisoned_ids(2, 6, 4, dev))
+        assert torch.equal(got, ids)
+        got = m3sparse.sparse_attn_decode(_spread(dec.q, nan), dec.kv_cache, ids, _spread(dec.block_table, -3), odd,
+                                          2, k_scale=dec.k_scale, v_scale=dec.v_scale, out=torch.full_like(dec.q, nan))
+        assert torch.equal(got, dec.attn_decode(ids))
+
+    # Cache writes and the index-query quantiser.
+    gen = torch.Generator().manual_seed(7)
+    k, v = (torch.randn(9, 2, 128, generator=gen).to(dev) for _ in range(2))
+    ik = torch.randn(9, 128, generator=gen).to(dev)
+    slots = torch.randperm(64, generator=gen)[:9].to(dev)
+    caches = []
+    for args in ((k, v, ik, slots), (_spread(k, nan), _spread(v, nan), _spread(ik, nan), _spread(slots, 3))):
+        kv = m3sparse.new_kv_cache(4, 2, torch.float16, block_size=16, device=dev)
+        index = m3sparse.new_index_cache(4, torch.float16, block_size=16, device=dev)
+        m3sparse.write_kv(args[0], args[1], kv, args[3])
+        m3sparse.write_index_k(args[2], index, args[3])
+        caches.append((kv, index, m3sparse.quantize_index_q(args[0])))
+    for a, b in zip(*caches):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def test_chunked_prefill_equals_full_prefill(target):
     dev = device_of(target)
     total, split = 10 * 16 + 9, 5 * 16 + 7

@@ -89,6 +89,28 @@ def test_chunked_prefill_then_greedy_generation_match(models):
     assert torch.equal(got, want)
 
 
+def test_prompts_past_the_kernels_offsets_run_in_several_calls(models, monkeypatch):
+    """A prompt whose queries exceed the kernels' 32-bit offsets (2^31 elements) runs each sparse layer's prefill ops
+    over consecutive token ranges: here forced at 700 tokens per call (2300 tokens: four calls, one ending mid-block),
+    the logits and every row's selection are those of one call."""
+    import m3sparse.integrations.transformers as integration
+    _, ours = models
+    ids = torch.randint(3, 512, (2, 2300), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        whole = ours(ids).logits
+        whole_ids = last_selection(ours)
+        heads, dim = ours.config.num_attention_heads, ours.config.head_dim
+        monkeypatch.setattr(integration, "_CALL_ELEMENTS", 700 * 2 * heads * dim)
+        calls, real = [], integration.m3sparse.sparse_attn_prefill
+        monkeypatch.setattr(integration.m3sparse, "sparse_attn_prefill",
+                            lambda *a, **k: calls.append(1) or real(*a, **k))
+        split = ours(ids).logits
+    assert len(calls) == 4 * len(SPARSE_LAYERS)
+    assert rel(split, whole) <= 1e-6
+    for i in SPARSE_LAYERS:
+        assert torch.equal(last_selection(ours)[i].sort(-1).values, whole_ids[i].sort(-1).values)
+
+
 def test_disable_restores_transformers_path(models):
     _, ours = models
     twin = disable_m3sparse(copy.deepcopy(ours))

@@ -148,3 +148,50 @@ def test_write_ops_reject():
         m3sparse.write_index_k(torch.randn(3, 2, 128), cache, slots)
     with pytest.raises(ValueError, match="slot_mapping"):
         m3sparse.write_index_k(torch.randn(3, 128), cache, torch.tensor([0, 16, 1]))
+
+
+def test_out_buffers_with_a_strided_last_dim_are_rejected(batch):
+    """The kernels write a row's elements at stride 1: an ``out`` whose last dimension is not dense is refused
+    (the ids' ``out`` takes any strides); inputs of any strides are copied where needed (tests/test_kernels.py)."""
+    wide = torch.empty(batch.q.shape[0], batch.heads, 256)[..., ::2]
+    with pytest.raises(ValueError, match="out must be contiguous in its last dimension"):
+        m3sparse.sparse_attn_prefill(**attn_args(batch, ids_for(batch)), out=wide)
+    with pytest.raises(ValueError, match="out must be contiguous in its last dimension"):
+        m3sparse.quantize_index_q(batch.index_q, torch.empty(8, 2, 256, dtype=torch.float8_e4m3fn)[..., ::2])
+    ids = torch.full((batch.kv_heads, batch.q.shape[0], 6), 7, dtype=I32)[..., ::2]
+    m3sparse.index_topk_prefill(**prefill_args(batch), topk=3, out=ids)
+    assert torch.equal(ids, m3sparse.index_topk_prefill(**prefill_args(batch), topk=3))
+
+
+def test_tensors_beyond_32_bit_offsets_are_rejected():
+    """The kernels address q, out, index_q, key, value and index_k with 32-bit offsets from the first element: a
+    tensor whose farthest element lies 2^31 or more elements past it is refused, naming it (meta tensors: the
+    views are never allocated)."""
+    meta, far = "meta", (2**31, 128, 1)  # row 1 starts 2^31 elements in
+    kv = m3sparse.new_kv_cache(4, 1, torch.bfloat16, block_size=16, device=meta)
+    index_cache = m3sparse.new_index_cache(4, torch.bfloat16, block_size=16, device=meta)
+    table = torch.zeros(2, 1, dtype=I32, device=meta)
+    lens = torch.zeros(2, dtype=I32, device=meta)
+    cu = torch.zeros(3, dtype=I32, device=meta)
+    ids = torch.zeros(1, 2, 16, dtype=I32, device=meta)
+    huge_q = torch.empty_strided((2, 1, 128), far, dtype=torch.bfloat16, device=meta)
+    with pytest.raises(ValueError, match="^q reaches .* 32-bit offsets"):
+        m3sparse.sparse_attn_prefill(huge_q, kv, ids, table, cu, lens, lens, 1)
+    with pytest.raises(ValueError, match="^q reaches .* 32-bit offsets"):
+        m3sparse.sparse_attn_decode(huge_q, kv, ids, table, lens, 1)
+    q = torch.empty(2, 1, 128, dtype=torch.bfloat16, device=meta)
+    with pytest.raises(ValueError, match="^out reaches .* 32-bit offsets"):
+        m3sparse.sparse_attn_decode(q, kv, ids, table, lens, 1, out=huge_q)
+    with pytest.raises(ValueError, match="^index_q reaches .* 32-bit offsets"):
+        m3sparse.index_topk_decode(huge_q, index_cache, table, lens, 1)
+    with pytest.raises(ValueError, match="^index_q reaches .* 32-bit offsets"):
+        m3sparse.index_topk_prefill(huge_q, index_cache, table, cu, lens, lens, 1)
+    slots = torch.zeros(2, dtype=torch.int64, device=meta)
+    with pytest.raises(ValueError, match="^key reaches .* 32-bit offsets"):
+        m3sparse.write_kv(huge_q, q, kv, slots)
+    with pytest.raises(ValueError, match="^index_k reaches .* 32-bit offsets"):
+        m3sparse.write_index_k(huge_q[:, 0], index_cache, slots)
+    # The largest q whose offsets fit is taken: its farthest element is 2^31 - 1 elements in.
+    fits = torch.empty_strided((2, 1, 128), (2**31 - 128, 128, 1), dtype=torch.bfloat16, device=meta)
+    from m3sparse._validation import kernel_input
+    assert kernel_input("q", fits) is fits

@@ -24,9 +24,13 @@ from typing import Optional
 import torch
 
 import m3sparse
+from m3sparse._validation import MAX_OFFSET
 
 # Query lengths up to this use the decode ops (one or a few tokens per row: the generation steps).
 _DECODE_ROWS = 8
+# Query elements per prefill call: the kernels address q with 32-bit offsets, so longer prompts (2^31 elements: 256k
+# tokens of 64 heads) run their prefill ops over consecutive token ranges of the batch.
+_CALL_ELEMENTS = MAX_OFFSET + 1
 
 
 @dataclass
@@ -119,14 +123,35 @@ def _sparse_attention_forward(self, hidden_states: torch.Tensor, position_embedd
         ids = m3sparse.index_topk_decode(iq_rows, state.index_cache, table, seq_lens, seq, **sel)
         out = m3sparse.sparse_attn_decode(q_rows, state.kv_cache, ids, table, seq_lens, seq, scale=self.scaling)
     else:
-        cu = torch.arange(batch + 1, dtype=torch.int32, device=k.device) * seq
-        ctx = torch.full((batch,), context, dtype=torch.int32, device=k.device)
-        meta = (table, cu, seq_lens, ctx, seq)
-        ids = m3sparse.index_topk_prefill(iq_rows, state.index_cache, *meta, **sel)
-        out = m3sparse.sparse_attn_prefill(q_rows, state.kv_cache, ids, *meta, scale=self.scaling)
+        ids, out = _prefill(q_rows, iq_rows, state, seq_lens, context, batch, sel, self.scaling)
     state.length = context + seq
     state.last_ids = ids
     return self.o_proj(out.reshape(batch, seq, -1)), None
+
+
+def _prefill(q_rows, iq_rows, state, seq_lens, context, batch, sel, scale):
+    """(ids [Hkv, B x S, k], out [B x S, H, D]) of the prefill ops over the token-major rows of ``batch`` sequences
+    that continue ``context`` cached tokens, in calls of consecutive token ranges of every sequence that keep q
+    within ``_CALL_ELEMENTS`` (one call unless the prompt is that long). The caches already hold every token."""
+    rows, heads, dim = q_rows.shape
+    seq, dev = rows // batch, q_rows.device
+    span = max(1, _CALL_ELEMENTS // (batch * heads * dim))
+    ids_parts, out_parts = [], []
+    for c0 in range(0, seq, span):
+        n = min(seq, c0 + span) - c0
+        cu = torch.arange(batch + 1, dtype=torch.int32, device=dev) * n
+        ctx = torch.full((batch,), context + c0, dtype=torch.int32, device=dev)
+        meta = (state.block_table, cu, seq_lens, ctx, n)
+        iq, q = (x.view(batch, seq, *x.shape[1:])[:, c0:c0 + n].reshape(batch * n, *x.shape[1:])
+                 for x in (iq_rows, q_rows))
+        ids = m3sparse.index_topk_prefill(iq, state.index_cache, *meta, **sel)
+        out = m3sparse.sparse_attn_prefill(q, state.kv_cache, ids, *meta, scale=scale)
+        ids_parts.append(ids.view(ids.shape[0], batch, n, ids.shape[2]))
+        out_parts.append(out.view(batch, n, heads, dim))
+    if len(out_parts) == 1:
+        return ids, out_parts[0].view(rows, heads, dim)
+    ids = torch.cat(ids_parts, dim=2)
+    return ids.view(ids.shape[0], rows, ids.shape[3]), torch.cat(out_parts, dim=1).view(rows, heads, dim)
 
 
 def _sparse_attention_layers(model: torch.nn.Module):
