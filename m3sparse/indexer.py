@@ -63,10 +63,9 @@ def index_topk_prefill(index_q: torch.Tensor, index_cache: torch.Tensor, block_t
     token i of request b sits at position context_lens[b] + i. Rows past cu_seqlens_q[-1] are padding.
     Inputs may be any strided views (index_q, the block table and the length vectors are copied where their last
     dimension is not dense). Returns (or fills ``out``, any strided view) int32 [Hkv, T, topk]: for a query in
-    block c, every block
-    0..c when c < topk, else the forced blocks (c-local_blocks+1..c, 0..init_blocks-1) plus the best-scoring
-    others (block score = max over its visible keys of index_q . index_k, fp32). Unused slots are -1; the
-    order of the valid ids carries no meaning.
+    block c, every block 0..c when c < topk, else the forced blocks (c-local_blocks+1..c, 0..init_blocks-1) plus
+    the best-scoring others (block score = max over its visible keys of index_q . index_k, fp32). Unused slots
+    are -1; the order of the valid ids carries no meaning.
     """
     device = check_index_inputs(index_q, index_cache, topk, local_blocks, init_blocks, out)
     check_prefill_batch(index_q.shape[0], block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
