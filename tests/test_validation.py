@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import m3sparse
+from m3sparse._validation import kernel_input
 from batches import make_batch
 
 I32 = torch.int32
@@ -193,5 +194,4 @@ def test_tensors_beyond_32_bit_offsets_are_rejected():
         m3sparse.write_index_k(huge_q[:, 0], index_cache, slots)
     # The largest q whose offsets fit is taken: its farthest element is 2^31 - 1 elements in.
     fits = torch.empty_strided((2, 1, 128), (2**31 - 128, 128, 1), dtype=torch.bfloat16, device=meta)
-    from m3sparse._validation import kernel_input
     assert kernel_input("q", fits) is fits
