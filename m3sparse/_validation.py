@@ -70,6 +70,13 @@ def dense_last_dim(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[-1] < 2 or t.stride(-1) == 1 else t.contiguous()
 
 
+def check_dense_last_dim(name: str, t: torch.Tensor, what: str = "") -> None:
+    """A tensor the kernels write or index in place (caches, per-slot scales, ``out=``), which no copy can stand in
+    for: its last dimension dense (ValueError naming it otherwise; ``what`` says which layouts are meant)."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension{what}, got strides {list(t.stride())}")
+
+
 def check_offsets(name: str, t: torch.Tensor) -> None:
     """A tensor the kernels address with 32-bit offsets: its farthest element within 2^31 - 1 of its first."""
     if t.is_contiguous():
@@ -97,9 +104,8 @@ def check_out(out: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype
     if out is None:
         return
     check_tensor(name, out, shape=list(shape), dtypes=(dtype,), device=device)
-    if not any_strides and out.shape[-1] > 1 and out.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension (stride 1), got strides "
-                         f"{list(out.stride())}")
+    if not any_strides:
+        check_dense_last_dim(name, out)
     check_offsets(name, out)
 
 
@@ -127,12 +133,12 @@ def check_scale(name: str, scale: object, num_kv_heads: int, num_slots: int,
     if not isinstance(scale, torch.Tensor):
         raise TypeError(f"{name} must be None, a float or a float32 tensor, got {type(scale).__name__}")
     check_tensor(name, scale, dtypes=(torch.float32,), device=device)
-    if scale.numel() != 1 and tuple(scale.shape) != (num_kv_heads, num_slots):
-        raise ValueError(
-            f"{name} must hold one element or have shape [num_kv_heads, num_blocks * block_size] = "
-            f"[{num_kv_heads}, {num_slots}], got {list(scale.shape)}")
-    if scale.numel() != 1 and scale.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension")
+    if scale.numel() != 1:
+        if tuple(scale.shape) != (num_kv_heads, num_slots):
+            raise ValueError(
+                f"{name} must hold one element or have shape [num_kv_heads, num_blocks * block_size] = "
+                f"[{num_kv_heads}, {num_slots}], got {list(scale.shape)}")
+        check_dense_last_dim(name, scale)
 
 
 def is_per_slot(scale: object) -> bool:

@@ -5,7 +5,8 @@ import torch
 
 from . import _ops
 from ._validation import (INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, QUERY_DTYPES, check_block_size, check_positive_int,
-                          check_scale, check_tensor, dense_last_dim, kernel_input, values_on_host)
+                          check_dense_last_dim, check_scale, check_tensor, dense_last_dim, kernel_input,
+                          values_on_host)
 from .config import HEAD_SIZE, INDEX_HEAD_SIZE
 
 LAYOUTS = ("HND", "NHD")
@@ -79,8 +80,7 @@ def check_kv_cache(kv_cache: object, device: torch.device | None = None) -> torc
     check_tensor("kv_cache", kv_cache, shape=[None, None, None, 2 * HEAD_SIZE], dtypes=KV_CACHE_DTYPES,
                  device=device)
     check_block_size("kv_cache.shape[2] (block_size)", kv_cache.shape[2])
-    if kv_cache.stride(-1) != 1:
-        raise ValueError("kv_cache must be contiguous in its last dimension (HND or NHD layout)")
+    check_dense_last_dim("kv_cache", kv_cache, " (HND or NHD layout)")
     return kv_cache
 
 
@@ -88,8 +88,7 @@ def check_index_cache(index_cache: object, device: torch.device | None = None) -
     check_tensor("index_cache", index_cache, shape=[None, None, INDEX_HEAD_SIZE], dtypes=INDEX_CACHE_DTYPES,
                  device=device)
     check_block_size("index_cache.shape[1] (block_size)", index_cache.shape[1])
-    if index_cache.stride(-1) != 1:
-        raise ValueError("index_cache must be contiguous in its last dimension")
+    check_dense_last_dim("index_cache", index_cache)
     return index_cache
 
 

@@ -144,6 +144,8 @@ def test_write_ops_reject():
         m3sparse.write_kv(torch.randn(3, 1, 128), k, kv, slots)
     with pytest.raises(ValueError, match="k_scale"):
         m3sparse.write_kv(k, k, kv, slots, k_scale=torch.ones(2, 31))
+    with pytest.raises(ValueError, match="v_scale must be contiguous in its last dimension"):
+        m3sparse.write_kv(k, k, kv, slots, v_scale=torch.ones(2, 64)[:, ::2])  # per-slot scales are written in place
     cache = m3sparse.new_index_cache(1, torch.bfloat16, block_size=16)
     with pytest.raises(ValueError, match="index_k"):
         m3sparse.write_index_k(torch.randn(3, 2, 128), cache, slots)
