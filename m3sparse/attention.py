@@ -5,7 +5,7 @@ import torch
 
 from . import _ops
 from ._batch_checks import check_decode_batch, check_prefill_batch
-from ._validation import HALF_DTYPES, check_out, check_scale, check_tensor, dense_last_dim, kernel_input
+from ._validation import HALF_DTYPES, check_out, check_scale, check_tensor, kernel_input
 from .cache import check_kv_cache
 from .config import HEAD_SIZE
 
@@ -50,11 +50,10 @@ def sparse_attn_prefill(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torch
     Returns (or fills ``out``) [T, H, 128] in q's dtype; fp32 accumulation.
     """
     device = _check_common(q, kv_cache, topk_ids, scale, out, k_scale, v_scale)
-    check_prefill_batch(q.shape[0], block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
-                        kv_cache.shape[2], kv_cache.shape[0], device)
+    block_table, cu_seqlens_q, seq_lens, context_lens = check_prefill_batch(
+        q.shape[0], block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len, kv_cache.shape[2],
+        kv_cache.shape[0], device)
     q = kernel_input("q", q)
-    block_table, cu_seqlens_q, seq_lens, context_lens = (dense_last_dim(t) for t in (block_table, cu_seqlens_q,
-                                                                                       seq_lens, context_lens))
     out = torch.empty_like(q) if out is None else out
     _ops.sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
                              _softmax_scale(scale), out, *_ops.split_scale(k_scale), *_ops.split_scale(v_scale))
@@ -71,9 +70,9 @@ def sparse_attn_decode(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torch.
     Same id rules, dtypes and scales as ``sparse_attn_prefill``. CUDA-graph safe with ``out=``.
     """
     device = _check_common(q, kv_cache, topk_ids, scale, out, k_scale, v_scale)
-    check_decode_batch(q.shape[0], block_table, seq_lens, decode_query_len, kv_cache.shape[2],
-                       kv_cache.shape[0], device)
-    q, block_table, seq_lens = kernel_input("q", q), dense_last_dim(block_table), dense_last_dim(seq_lens)
+    block_table, seq_lens = check_decode_batch(q.shape[0], block_table, seq_lens, decode_query_len,
+                                               kv_cache.shape[2], kv_cache.shape[0], device)
+    q = kernel_input("q", q)
     out = torch.empty_like(q) if out is None else out
     _ops.sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, _softmax_scale(scale),
                             out, *_ops.split_scale(k_scale), *_ops.split_scale(v_scale))

@@ -92,11 +92,13 @@ def check_index_cache(index_cache: object, device: torch.device | None = None) -
     return index_cache
 
 
-def _check_slots(slot_mapping: object, num_tokens: int, num_slots: int, device: torch.device) -> None:
+def _check_slots(slot_mapping: object, num_tokens: int, num_slots: int, device: torch.device) -> torch.Tensor:
+    """The slots as the kernels address them (``dense_last_dim``), checked."""
     check_tensor("slot_mapping", slot_mapping, shape=[num_tokens], dtypes=(torch.int64,), device=device)
     if values_on_host(slot_mapping) and num_tokens and int(slot_mapping.max()) >= num_slots:
         raise ValueError(f"slot_mapping holds slot {int(slot_mapping.max())}, beyond the cache's "
                          f"{num_slots} slots")
+    return dense_last_dim(slot_mapping)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -114,10 +116,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     num_pages, kv_heads, bs, _ = kv_cache.shape
     check_tensor("key", key, shape=[None, kv_heads, HEAD_SIZE], dtypes=QUERY_DTYPES, device=device)
     check_tensor("value", value, shape=list(key.shape), dtypes=QUERY_DTYPES, device=device)
-    _check_slots(slot_mapping, key.shape[0], num_pages * bs, device)
+    slot_mapping = _check_slots(slot_mapping, key.shape[0], num_pages * bs, device)
     check_scale("k_scale", k_scale, kv_heads, num_pages * bs, device)
     check_scale("v_scale", v_scale, kv_heads, num_pages * bs, device)
-    key, value, slot_mapping = kernel_input("key", key), kernel_input("value", value), dense_last_dim(slot_mapping)
+    key, value = kernel_input("key", key), kernel_input("value", value)
     _ops.write_kv(key, value, kv_cache, slot_mapping, *_ops.split_scale(k_scale), *_ops.split_scale(v_scale))
 
 
@@ -130,5 +132,5 @@ def write_index_k(index_k: torch.Tensor, index_cache: torch.Tensor, slot_mapping
     check_index_cache(index_cache)
     device = index_cache.device
     check_tensor("index_k", index_k, shape=[None, INDEX_HEAD_SIZE], dtypes=QUERY_DTYPES, device=device)
-    _check_slots(slot_mapping, index_k.shape[0], index_cache.shape[0] * index_cache.shape[1], device)
-    _ops.write_index_k(kernel_input("index_k", index_k), index_cache, dense_last_dim(slot_mapping))
+    slot_mapping = _check_slots(slot_mapping, index_k.shape[0], index_cache.shape[0] * index_cache.shape[1], device)
+    _ops.write_index_k(kernel_input("index_k", index_k), index_cache, slot_mapping)

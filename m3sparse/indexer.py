@@ -5,7 +5,7 @@ import torch
 
 from . import _ops
 from ._batch_checks import check_decode_batch, check_prefill_batch
-from ._validation import QUERY_DTYPES, check_out, check_tensor, dense_last_dim, kernel_input
+from ._validation import QUERY_DTYPES, check_out, check_tensor, kernel_input
 from .cache import check_index_cache
 from .config import INDEX_HEAD_SIZE, check_selection
 
@@ -68,11 +68,10 @@ def index_topk_prefill(index_q: torch.Tensor, index_cache: torch.Tensor, block_t
     are -1; the order of the valid ids carries no meaning.
     """
     device = check_index_inputs(index_q, index_cache, topk, local_blocks, init_blocks, out)
-    check_prefill_batch(index_q.shape[0], block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
-                        index_cache.shape[1], index_cache.shape[0], device)
+    block_table, cu_seqlens_q, seq_lens, context_lens = check_prefill_batch(
+        index_q.shape[0], block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len, index_cache.shape[1],
+        index_cache.shape[0], device)
     index_q = kernel_input("index_q", index_q)
-    block_table, cu_seqlens_q, seq_lens, context_lens = (dense_last_dim(t) for t in (block_table, cu_seqlens_q,
-                                                                                       seq_lens, context_lens))
     out = _new_out(index_q, topk) if out is None else out
     _ops.index_topk_prefill(index_q, index_cache, block_table, cu_seqlens_q, seq_lens, context_lens, max_query_len,
                             topk, local_blocks, init_blocks, out)
@@ -89,10 +88,9 @@ def index_topk_decode(index_q: torch.Tensor, index_cache: torch.Tensor, block_ta
     Returns int32 [Hkv, T, topk] as ``index_topk_prefill``. CUDA-graph safe: no host sync, fixed grid.
     """
     device = check_index_inputs(index_q, index_cache, topk, local_blocks, init_blocks, out)
-    check_decode_batch(index_q.shape[0], block_table, seq_lens, decode_query_len, index_cache.shape[1],
-                       index_cache.shape[0], device)
+    block_table, seq_lens = check_decode_batch(index_q.shape[0], block_table, seq_lens, decode_query_len,
+                                               index_cache.shape[1], index_cache.shape[0], device)
     index_q = kernel_input("index_q", index_q)
-    block_table, seq_lens = dense_last_dim(block_table), dense_last_dim(seq_lens)
     out = _new_out(index_q, topk) if out is None else out
     _ops.index_topk_decode(index_q, index_cache, block_table, seq_lens, decode_query_len, topk, local_blocks,
                            init_blocks, out)
