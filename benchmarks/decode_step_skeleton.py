@@ -32,7 +32,7 @@ import triton.language as tl
 
 from decode_latency_floor import _replay_us
 from m3sparse import bench
-from m3sparse.kernels.dependent_launch import PDL_LATE, release_consumer, wait_for_producer
+from m3sparse.kernels.dependent_launch import chained_launch, release_consumer, wait_for_producer
 
 BLOCK, DIM, TOPK, LAYERS = 128, 128, 16, 16
 PAGE = BLOCK * DIM  # elements of one block's index keys, and of its K (then its V)
@@ -103,46 +103,49 @@ def _skeleton_merge_kernel(part_ptr, out_ptr, SPLITS: tl.constexpr, D: tl.conste
 
 
 class Step:
-    """One case's inputs: LAYERS layers of ``rows`` rows at ``context`` tokens, index keys of ``index_bytes``
-    bytes per element, each layer its own index pages and its own random K / V pages."""
+    """One case's inputs: ``layers`` layers of ``rows`` rows at ``context`` tokens, index keys of ``index_bytes``
+    bytes per element, each layer its own index pages and its own random K / V pages of a pool of
+    ``kv_pool_bytes``."""
 
-    def __init__(self, rows: int, context: int, index_bytes: int, gen: torch.Generator):
-        self.rows, self.nb = rows, context // BLOCK
-        pages = LAYERS * rows * self.nb
+    def __init__(self, rows: int, context: int, index_bytes: int, gen: torch.Generator, layers: int = LAYERS,
+                 kv_pool_bytes: int = KV_POOL_BYTES):
+        dev = gen.device
+        self.rows, self.nb, self.layers, self.pdl = rows, context // BLOCK, layers, chained_launch(dev)
+        pages = layers * rows * self.nb
         dtype = torch.int16 if index_bytes == 2 else torch.uint8
         info = torch.iinfo(dtype)
-        self.index = torch.randint(info.min, info.max, (pages, PAGE), dtype=dtype, device="cuda", generator=gen)
-        self.index_table = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32).view(
-            LAYERS, rows, self.nb)
-        kv_pages = KV_POOL_BYTES // (2 * PAGE * 2)
-        self.kv = torch.randn(kv_pages, 2 * PAGE, dtype=torch.bfloat16, device="cuda", generator=gen)
-        self.kv_table = torch.randint(0, kv_pages, (LAYERS, rows, self.nb), dtype=torch.int32, device="cuda",
+        self.index = torch.randint(info.min, info.max, (pages, PAGE), dtype=dtype, device=dev, generator=gen)
+        self.index_table = torch.randperm(pages, device=dev, generator=gen).to(torch.int32).view(
+            layers, rows, self.nb)
+        kv_pages = kv_pool_bytes // (2 * PAGE * 2)
+        self.kv = torch.randn(kv_pages, 2 * PAGE, dtype=torch.bfloat16, device=dev, generator=gen)
+        self.kv_table = torch.randint(0, kv_pages, (layers, rows, self.nb), dtype=torch.int32, device=dev,
                                       generator=gen)
-        self.scores = torch.empty(LAYERS, rows, self.nb, dtype=torch.int32, device="cuda")
-        self.ids = torch.empty(LAYERS, rows, TOPK, dtype=torch.int32, device="cuda")
-        self.out = torch.empty(LAYERS, rows, DIM, device="cuda")
+        self.scores = torch.empty(layers, rows, self.nb, dtype=torch.int32, device=dev)
+        self.ids = torch.empty(layers, rows, TOPK, dtype=torch.int32, device=dev)
+        self.out = torch.empty(layers, rows, DIM, device=dev)
 
     def calls(self, score_programs: int | None, splits: int) -> list:
         """The step's launches for every layer (score_programs None: the attention and merge alone, on ids the
         full step wrote)."""
         parts, blocks = max(1, splits // TOPK), max(1, TOPK // splits)
-        partials = torch.empty(LAYERS, self.rows, splits, DIM, device="cuda")
-        out = []
-        for layer in range(LAYERS):
+        partials = torch.empty(self.layers, self.rows, splits, DIM, device=self.out.device)
+        pdl, out = self.pdl, []
+        for layer in range(self.layers):
             if score_programs is not None:
                 per_row = score_programs // self.rows
                 out.append(lambda l=layer, p=per_row: _skeleton_scores_kernel[(self.rows, p)](
                     self.index, self.index_table[l], self.scores[l], self.nb, self.nb // p, PAGE_ELEMS=PAGE,
-                    PDL=PDL_LATE, num_warps=4, launch_pdl=True))
+                    PDL=pdl, num_warps=4, launch_pdl=pdl > 0))
                 out.append(lambda l=layer: _skeleton_select_kernel[(self.rows,)](
                     self.scores[l], self.ids[l], self.nb, NB_PAD=triton.next_power_of_2(self.nb), TOPK_=TOPK,
-                    PDL=PDL_LATE, num_warps=4, launch_pdl=True))
+                    PDL=pdl, num_warps=4, launch_pdl=pdl > 0))
             out.append(lambda l=layer: _skeleton_attend_kernel[(self.rows, splits)](
                 self.kv, self.kv_table[l], self.ids[l], partials[l], self.nb, SPLITS=splits, BLOCKS=blocks,
-                PARTS=parts, TOPK_=TOPK, PAGE_ELEMS=PAGE, D=DIM, PDL=PDL_LATE, num_warps=8 if parts == 1 else 4,
-                launch_pdl=True))
+                PARTS=parts, TOPK_=TOPK, PAGE_ELEMS=PAGE, D=DIM, PDL=pdl, num_warps=8 if parts == 1 else 4,
+                launch_pdl=pdl > 0))
             out.append(lambda l=layer: _skeleton_merge_kernel[(self.rows,)](
-                partials[l], self.out[l], SPLITS=splits, D=DIM, PDL=PDL_LATE, num_warps=4, launch_pdl=True))
+                partials[l], self.out[l], SPLITS=splits, D=DIM, PDL=pdl, num_warps=4, launch_pdl=pdl > 0))
         return out
 
     def check(self, layer: int) -> None:
@@ -151,7 +154,7 @@ class Step:
         scores = self.index[pages].to(torch.int32).amax(-1)
         total = scores.sum(-1) & 0x7FFFFFFF
         stride = self.nb // TOPK
-        ids = torch.arange(TOPK, device="cuda") * stride + (total % stride)[:, None]
+        ids = torch.arange(TOPK, device=total.device) * stride + (total % stride)[:, None]
         assert torch.equal(self.ids[layer].long(), ids), "the skeleton selected other blocks"
         kv = self.kv[self.kv_table[layer].gather(1, ids).long()].float()  # [rows, TOPK, 2 * PAGE]
         want = kv.view(self.rows, TOPK, 2, BLOCK, DIM).sum((1, 2, 3))
@@ -169,7 +172,7 @@ def run_case(rows: int, context: int, index_bytes: int, gen: torch.Generator) ->
     best = None
     for programs, splits in itertools.product(_programs(rows, step.nb), splits_grid):
         t = _replay_us(step.calls(programs, splits)) * 4  # _replay_us divides by the 4 launches per layer
-        step.check(LAYERS - 1)
+        step.check(step.layers - 1)
         if best is None or t < best["step_us"]:
             best = dict(step_us=t, score_programs=programs, splits=splits)
     index_only = min(_replay_us([c for i, c in enumerate(step.calls(p, 16)) if i % 4 < 2]) * 2
