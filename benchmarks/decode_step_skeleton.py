@@ -15,10 +15,11 @@ decode has to run, with the work removed and the dependencies kept, and times it
 4. merge: each row sums its splits' partials.
 
 The four kernels chain by programmatic dependent launch, released after their last store, as the decode ops do.
-Each case sweeps the scoring grid and the attention's splits and reports the fastest: no m3sparse kernel, and no
-other design of the same four dependencies, runs this step in less time on this card; a design that merges two of
-them into one kernel still pays a barrier across the grid, which decode_latency_floor.py times at about a
-dependent launch's hop. The last layer's output is checked against torch, which proves every byte was read.
+Each case sweeps the scoring grid and the attention's splits and reports the fastest. This is not a proven lower
+bound: it is the step's traffic and dependencies written the plain way, so a design with the same dependencies
+goes under it only by moving its bytes or hiding its waits better than this form does. A design that merges two
+of the kernels still pays a barrier across the grid, which decode_latency_floor.py times at about a dependent
+launch's hop. The last layer's ids and output are checked against torch, so an unread or misread page fails.
 """
 from __future__ import annotations
 
