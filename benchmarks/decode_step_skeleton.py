@@ -176,6 +176,7 @@ def run_case(rows: int, context: int, index_bytes: int, gen: torch.Generator) ->
         step.check(step.layers - 1)
         if best is None or t < best["step_us"]:
             best = dict(step_us=t, score_programs=programs, splits=splits)
+    # Scores and selection alone: the first two of each layer's four launches.
     index_only = min(_replay_us([c for i, c in enumerate(step.calls(p, 16)) if i % 4 < 2]) * 2
                      for p in _programs(rows, step.nb))
     attend_only = {s: _replay_us(step.calls(None, s)) * 2 for s in splits_grid}
