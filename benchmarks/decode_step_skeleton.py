@@ -81,7 +81,7 @@ def _skeleton_attend_kernel(kv_ptr, bt_ptr, ids_ptr, part_ptr, NB, SPLITS: tl.co
     t = (s % PARTS) * TOKENS + tl.arange(0, TOKENS)
     d = tl.arange(0, D)
     acc = tl.zeros([D], tl.float32)
-    for i in tl.static_range(BLOCKS):
+    for i in range(BLOCKS):
         block = tl.load(ids_ptr + r * TOPK_ + (s // PARTS) * BLOCKS + i)
         page = tl.load(bt_ptr + r * NB + block).to(tl.int64)
         k_at = kv_ptr + page * (2 * PAGE_ELEMS) + t[:, None] * D + d[None, :]
@@ -112,12 +112,13 @@ class Step:
                  kv_pool_bytes: int = KV_POOL_BYTES):
         dev = gen.device
         self.rows, self.nb, self.layers, self.pdl = rows, context // BLOCK, layers, chained_launch(dev)
-        pages = layers * rows * self.nb
-        dtype = torch.int16 if index_bytes == 2 else torch.uint8
-        info = torch.iinfo(dtype)
-        self.index = torch.randint(info.min, info.max, (pages, PAGE), dtype=dtype, device=dev, generator=gen)
-        self.index_table = torch.randperm(pages, device=dev, generator=gen).to(torch.int32).view(
-            layers, rows, self.nb)
+        if index_bytes:
+            pages = layers * rows * self.nb
+            dtype = torch.int16 if index_bytes == 2 else torch.uint8
+            info = torch.iinfo(dtype)
+            self.index = torch.randint(info.min, info.max, (pages, PAGE), dtype=dtype, device=dev, generator=gen)
+            self.index_table = torch.randperm(pages, device=dev, generator=gen).to(torch.int32).view(
+                layers, rows, self.nb)
         kv_pages = kv_pool_bytes // (2 * PAGE * 2)
         self.kv = torch.randn(kv_pages, 2 * PAGE, dtype=torch.bfloat16, device=dev, generator=gen)
         self.kv_table = torch.randint(0, kv_pages, (layers, rows, self.nb), dtype=torch.int32, device=dev,
@@ -150,14 +151,18 @@ class Step:
         return out
 
     def check(self, layer: int) -> None:
-        """The layer's output against torch: every index page, the ids' pages and their K / V read."""
+        """The layer's ids and output against torch: every index page, the ids' pages and their K / V read."""
         pages = self.index_table[layer].long()
         scores = self.index[pages].to(torch.int32).amax(-1)
         total = scores.sum(-1) & 0x7FFFFFFF
         stride = self.nb // TOPK
         ids = torch.arange(TOPK, device=total.device) * stride + (total % stride)[:, None]
         assert torch.equal(self.ids[layer].long(), ids), "the skeleton selected other blocks"
-        kv = self.kv[self.kv_table[layer].gather(1, ids).long()].float()  # [rows, TOPK, 2 * PAGE]
+        self.check_attention(layer)
+
+    def check_attention(self, layer: int) -> None:
+        """The layer's output against torch on the layer's ids."""
+        kv = self.kv[self.kv_table[layer].gather(1, self.ids[layer].long()).long()].float()  # [rows, TOPK, 2 PAGE]
         want = kv.view(self.rows, TOPK, 2, BLOCK, DIM).sum((1, 2, 3))
         assert torch.allclose(self.out[layer], want, rtol=1e-3, atol=1e-2), "the skeleton read the wrong K / V"
 
@@ -187,6 +192,26 @@ def run_case(rows: int, context: int, index_bytes: int, gen: torch.Generator) ->
                 attend_us=attend_only[s_best], attend_splits=s_best, **best)
 
 
+def run_speculative_case(requests: int, context: int, dql: int, gen: torch.Generator) -> dict:
+    """Issue 5's criterion 4: attention and merge alone over requests x dql rows, each request's rows on one block
+    table, with bench decode's ids (rows sharing 12 of their 16 blocks with the request's first row) and with
+    independent rows."""
+    rows = requests * dql
+    step = Step(rows, context, 0, gen)
+    step.kv_table.copy_(step.kv_table[:, ::dql].repeat_interleave(dql, dim=1))
+    seq_lens = torch.full((requests,), context, dtype=torch.int32, device=gen.device)
+    result = dict(rows=rows, context=context, dql=dql)
+    for name in ("shared", "independent"):
+        for layer in range(step.layers):
+            ids = bench._realistic_ids(seq_lens, dql, 1, gen)
+            step.ids[layer] = (bench._shared_ids(ids, dql) if name == "shared" else ids)[0]
+        times = {s: _replay_us(step.calls(None, s)) * 2 for s in (1, 2, 4, 8, 16)}
+        step.check_attention(step.layers - 1)
+        best = min(times, key=times.get)
+        result[name + "_attend_us"], result[name + "_splits"] = times[best], best
+    return result
+
+
 # Issue 5's missed cases: (rows, context, bytes per index-key element).
 CASES = [(1, 32768, 2), (1, 131072, 2), (8, 32768, 2), (8, 131072, 2), (32, 32768, 2),
          (8, 32768, 1), (8, 131072, 1), (32, 32768, 1)]
@@ -195,7 +220,7 @@ CASES = [(1, 32768, 2), (1, 131072, 2), (8, 32768, 2), (8, 131072, 2), (32, 3276
 def _parse_cases(text: str) -> list[tuple[int, int, int]]:
     """'8x128k,8x128k:e4m3' -> [(8, 131072, 2), (8, 131072, 1)]."""
     out = []
-    for item in text.split(","):
+    for item in filter(None, text.split(",")):
         shape, _, keys = item.lower().partition(":")
         rows, ctx = shape.split("x")
         out.append((int(rows), int(ctx.rstrip("k")) * 1024, 1 if keys == "e4m3" else 2))
@@ -206,7 +231,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the measurements here")
     parser.add_argument("--cases", type=_parse_cases, default=CASES,
-                        help="rows x context[:e4m3], e.g. 1x32k,8x128k:e4m3")
+                        help="rows x context[:e4m3], e.g. 1x32k,8x128k:e4m3 (none: '')")
+    parser.add_argument("--no-speculative", dest="speculative", action="store_false",
+                        help="skip 32 x 128k x 4 speculative rows (issue 5's criterion 4)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -214,6 +241,7 @@ def main(argv=None) -> None:
     bench._warm_up_gpu()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = [run_case(r, c, b, gen) for r, c, b in args.cases]
+    speculative = run_speculative_case(32, 131072, 4, gen) if args.speculative else None
     print("| rows | context | index keys | skeleton step µs (programs, splits) | scores + selection µs "
           "| attention + merge µs (splits) |")
     print("|---|---|---|---|---|---|")
@@ -221,10 +249,14 @@ def main(argv=None) -> None:
         print(f"| {r['rows']} | {r['context'] // 1024}k | {'bf16' if r['index_bytes'] == 2 else 'e4m3'} "
               f"| {r['step_us']:.2f} ({r['score_programs']}, {r['splits']}) | {r['index_us']:.2f} "
               f"| {r['attend_us']:.2f} ({r['attend_splits']}) |")
+    if speculative:
+        print(f"32 x 128k x 4 rows, attention + merge µs (splits): rows sharing 12/16 "
+              f"{speculative['shared_attend_us']:.2f} ({speculative['shared_splits']}), independent rows "
+              f"{speculative['independent_attend_us']:.2f} ({speculative['independent_splits']})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           rows=rows), f, indent=1)
+                           rows=rows, speculative=speculative), f, indent=1)
 
 
 if __name__ == "__main__":
