@@ -20,6 +20,8 @@ bound: it is the step's traffic and dependencies written the plain way, so a des
 goes under it only by moving its bytes or hiding its waits better than this form does. A design that merges two
 of the kernels still pays a barrier across the grid, which decode_latency_floor.py times at about a dependent
 launch's hop. The last layer's ids and output are checked against torch, so an unread or misread page fails.
+It also times the attention and merge alone on 32 x 128k x 4 speculative rows (issue 5's criterion 4), where the
+ops' pipelined per-row kernel beats this plain form.
 """
 from __future__ import annotations
 
