@@ -107,8 +107,8 @@ def _skeleton_merge_kernel(part_ptr, out_ptr, SPLITS: tl.constexpr, D: tl.conste
 
 class Step:
     """One case's inputs: ``layers`` layers of ``rows`` rows at ``context`` tokens, index keys of ``index_bytes``
-    bytes per element, each layer its own index pages and its own random K / V pages of a pool of
-    ``kv_pool_bytes``."""
+    bytes per element (0: none, for the attention alone), each layer its own index pages and its own random K / V
+    pages of a pool of ``kv_pool_bytes``."""
 
     def __init__(self, rows: int, context: int, index_bytes: int, gen: torch.Generator, layers: int = LAYERS,
                  kv_pool_bytes: int = KV_POOL_BYTES):
