@@ -136,6 +136,11 @@ def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, H, SPLITS: tl
     release_consumer(PDL)
 
 
+# The split merge on one warp: a (row, head)'s splits reduce within the warp, with no exchange through shared memory
+# between warps. H200, 16-layer graphs, index + attend us, 4 -> 1 warps (perf-notes v37): 1 x 32k 12.20-12.26 ->
+# 11.78-11.80, 1 x 128k 18.91-19.16 -> 18.48-18.72, 4 x 32k 18.86-18.94 -> 18.33-18.38, TP1 1 x 32k 12.76-12.98 ->
+# 12.26-12.34.
+MERGE_WARPS = 1
 # Tile kernel launch: M = 64 rows (4 tokens x 16 heads), 64-key chunks, 3 stages (H200 sweep: docs/perf-notes.md)
 TILE_M, TILE_WARPS, TILE_STAGES, TILE_BLOCK_N = 64, 4, 3, 64
 # Prefill tiles: the block unions are built by a launch of their own on one warp per tile (no cross-warp reduction,
@@ -249,7 +254,8 @@ def _merge_split_partials(m, l, acc, out, splits, pdl):
     if splits > 1:
         num_tokens, num_heads, dim = out.shape
         launch(_merge_splits_kernel, (num_tokens, num_heads), m, l, acc, out, *out.stride()[:2],
-               num_heads, SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim, PDL=pdl, launch_pdl=pdl > 0)
+               num_heads, SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim, PDL=pdl, launch_pdl=pdl > 0,
+               num_warps=MERGE_WARPS)
 
 
 def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
