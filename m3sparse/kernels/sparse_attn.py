@@ -137,9 +137,10 @@ def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, H, SPLITS: tl
 
 
 # The split merge on one warp: a (row, head)'s splits reduce within the warp, with no exchange through shared memory
-# between warps. H200, 16-layer graphs, index + attend us, 4 -> 1 warps (perf-notes v37): 1 x 32k 12.20-12.26 ->
-# 11.78-11.80, 1 x 128k 18.91-19.16 -> 18.48-18.72, 4 x 32k 18.86-18.94 -> 18.33-18.38, TP1 1 x 32k 12.76-12.98 ->
-# 12.26-12.34.
+# between warps. H200, 16-layer graphs, two rounds, 4 -> 2 -> 1 warps (perf-notes v37), index + attend us: 1 x 32k
+# 12.27-12.29 -> 12.96-13.17 -> 11.87-11.89, 1 x 128k 18.93-19.22 -> 19.45-19.79 -> 18.38-18.64; attend us: 32 x 32k
+# 15.04-15.07 -> 14.27-14.31 -> 14.01-14.08, 32 x 128k 15.41-15.50 -> 14.36-14.40 (1 warp), 8 x 32k x 4 rows
+# 13.92-13.96 -> 12.80-12.90 (1 warp); 8 rows and TP1 32 x 128k even.
 MERGE_WARPS = 1
 # Tile kernel launch: M = 64 rows (4 tokens x 16 heads), 64-key chunks, 3 stages (H200 sweep: docs/perf-notes.md)
 TILE_M, TILE_WARPS, TILE_STAGES, TILE_BLOCK_N = 64, 4, 3, 64
