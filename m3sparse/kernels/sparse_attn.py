@@ -140,8 +140,9 @@ def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, H, SPLITS: tl
 # between warps. H200, 16-layer graphs, two rounds, 4 -> 2 -> 1 warps (perf-notes v37), index + attend us: 1 x 32k
 # 12.27-12.29 -> 12.96-13.17 -> 11.87-11.89, 1 x 128k 18.93-19.22 -> 19.45-19.79 -> 18.38-18.64; attend us: 32 x 32k
 # 15.04-15.07 -> 14.27-14.31 -> 14.01-14.08, 32 x 128k 15.41-15.50 -> 14.36-14.40 (1 warp), 8 x 32k x 4 rows
-# 13.92-13.96 -> 12.80-12.90 (1 warp); 8 rows and TP1 32 x 128k even.
-MERGE_WARPS = 1
+# 13.92-13.96 -> 12.80-12.90 (1 warp); 8 rows and TP1 32 x 128k even. That is up to 32 splits x 128 fp32 values per
+# warp; wider merges (top-k above 16) add a warp per such slice rather than spill its registers (not timed).
+MERGE_VALUES_PER_WARP = 32 * 128
 # Tile kernel launch: M = 64 rows (4 tokens x 16 heads), 64-key chunks, 3 stages (H200 sweep: docs/perf-notes.md)
 TILE_M, TILE_WARPS, TILE_STAGES, TILE_BLOCK_N = 64, 4, 3, 64
 # Prefill tiles: the block unions are built by a launch of their own on one warp per tile (no cross-warp reduction,
@@ -256,7 +257,7 @@ def _merge_split_partials(m, l, acc, out, splits, pdl):
         num_tokens, num_heads, dim = out.shape
         launch(_merge_splits_kernel, (num_tokens, num_heads), m, l, acc, out, *out.stride()[:2],
                num_heads, SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim, PDL=pdl, launch_pdl=pdl > 0,
-               num_warps=MERGE_WARPS)
+               num_warps=min(8, max(1, next_pow2(splits) * dim // MERGE_VALUES_PER_WARP)))
 
 
 def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
