@@ -126,6 +126,20 @@ def test_adversarial_topk_buffer_memcheck():
     assert ((got <= own[None, :, None]) | (got == -1)).all()
 
 
+@pytest.mark.parametrize("topk", [16, 32, 64])
+def test_one_row_split_merge_of_many_splits_matches_reference(topk):
+    """One decode row takes 2 x topk half-block splits; their merge runs on one warp per 32 splits x 128 values
+    (one warp at top-k 16, two at 32, four at 64): each width must merge to the reference's output."""
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    kv, ic, table, q, iq = _decode_inputs(1, 40_000, gen=gen)
+    seq_lens = torch.tensor([40_000], dtype=torch.int32, device="cuda")
+    ids = m3sparse.index_topk_decode(iq, ic, table, seq_lens, 1, topk=topk)
+    out = m3sparse.sparse_attn_decode(q, kv, ids, table, seq_lens, 1, out=torch.full_like(q, float("nan")))
+    ref = reference.sparse_attn_decode(q, kv, ids, table, seq_lens, 1)
+    assert torch.isfinite(out).all()
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs of one host")
 def test_ops_run_on_the_device_of_their_tensors():
     """A model split over the GPUs of one process (a layer per device, the current device left at cuda:0) calls
