@@ -255,9 +255,10 @@ def _split_partials(out, splits):
 def _merge_split_partials(m, l, acc, out, splits, pdl):
     if splits > 1:
         num_tokens, num_heads, dim = out.shape
+        splits_pad = next_pow2(splits)
         launch(_merge_splits_kernel, (num_tokens, num_heads), m, l, acc, out, *out.stride()[:2],
-               num_heads, SPLITS=splits, SPLITS_PAD=next_pow2(splits), D=dim, PDL=pdl, launch_pdl=pdl > 0,
-               num_warps=min(8, max(1, next_pow2(splits) * dim // MERGE_VALUES_PER_WARP)))
+               num_heads, SPLITS=splits, SPLITS_PAD=splits_pad, D=dim, PDL=pdl, launch_pdl=pdl > 0,
+               num_warps=min(8, max(1, splits_pad * dim // MERGE_VALUES_PER_WARP)))
 
 
 def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
