@@ -707,6 +707,41 @@ def test_prefill_by_kv_block_any_batch(target, requests, group, kv_heads, topk, 
     assert rel_err(out, batch.attn_prefill(ids, impl=reference)) <= attn_tol(target, dtype)
 
 
+@pytest.mark.parametrize("grids", [(1, 1), (3, 2)])
+@pytest.mark.parametrize("max_union", [0, 12, 10**6])
+@pytest.mark.parametrize("pass_rows", [None, 7])
+def test_prefill_kv_block_launches_in_small_grids(target, grids, max_union, pass_rows, monkeypatch):
+    """The KV-block attention's programs striding over more chunk entries than the grid has programs, and merge
+    programs over runs of up to 16 rows, some of them taken by the tiles (a mix at max_union 12), all of them
+    (10**6: the launches find no row) or none; in one pass or passes of 7 rows, padding rows past
+    cu_seqlens_q[-1] (output 0), output poisoned first."""
+    from m3sparse.kernels import sparse_attn, sparse_attn_kv_major
+    from m3sparse.kernels.sparse_attn import sparse_attn_prefill
+    monkeypatch.setattr(sparse_attn, "_row_attn", None)
+    monkeypatch.setattr(sparse_attn, "KV_BLOCK_ABOVE_ROWS", 0)
+    monkeypatch.setattr(sparse_attn_kv_major, "ATTN_PROGRAMS", grids[0])
+    monkeypatch.setattr(sparse_attn_kv_major, "MERGE_PROGRAMS", grids[1])
+    spec = dict(requests=[(150, 40), (0, 100), (70, 3)], heads=8, kv_heads=2, block_size=16)
+    if target == "cuda":
+        spec = dict(requests=[(9000, 700), (0, 2100), (3000, 5)], heads=16, kv_heads=1, block_size=128)
+    dtype = act_dtype(target) if target == "cuda" else torch.float16  # 16-bit dots on the GPU (kv_major_fits)
+    batch = make_batch(**spec, q_dtype=act_dtype(target), kv_dtype=dtype, seed=max_union % 89 + grids[0],
+                       device=device_of(target))
+    if pass_rows:
+        monkeypatch.setattr(sparse_attn_kv_major, "PASS_BYTES", pass_rows * 4 * batch.q.shape[1] * batch.q.shape[2] *
+                            batch.q.element_size())
+    ids = batch.index_prefill(impl=reference, topk=4)
+    pad = 3
+    q = torch.cat([batch.q, torch.randn_like(batch.q[:pad])])
+    ids_padded = torch.cat([ids, torch.randint(-9, 99, (ids.shape[0], pad, 4), dtype=ids.dtype).to(ids.device)], 1)
+    out = torch.full_like(q, float("nan"))
+    sparse_attn_prefill(q, batch.kv_cache, ids_padded, batch.block_table, **batch.prefill_meta(), scale=128 ** -0.5,
+                        out=out, k_scale=batch.k_scale, v_scale=batch.v_scale, max_union=max_union)
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    assert rel_err(out[:-pad], batch.attn_prefill(ids, impl=reference)) <= attn_tol(target, dtype)
+    assert (out[-pad:] == 0).all()
+
+
 @pytest.mark.parametrize("kv_heads, above", [(1, 0), (1, 62), (2, 124), (2, 123)])
 def test_prefill_rows_by_kv_block_only_in_large_batches(target, kv_heads, above, monkeypatch):
     """The rows the tiles leave go by KV block only when the batch's rows x KV heads exceed KV_BLOCK_ABOVE_ROWS
