@@ -707,25 +707,26 @@ def test_prefill_by_kv_block_any_batch(target, requests, group, kv_heads, topk, 
     assert rel_err(out, batch.attn_prefill(ids, impl=reference)) <= attn_tol(target, dtype)
 
 
-@pytest.mark.parametrize("grids", [(1, 1), (3, 2)])
-@pytest.mark.parametrize("max_union", [0, 12, 10**6])
+@pytest.mark.parametrize("tiles_take", ["none", "some", "all"])
 @pytest.mark.parametrize("pass_rows", [None, 7])
-def test_prefill_kv_block_launches_in_small_grids(target, grids, max_union, pass_rows, monkeypatch):
-    """The KV-block attention's programs striding over more chunk entries than the grid has programs, and merge
-    programs over runs of up to 16 rows, some of them taken by the tiles (a mix at max_union 12), all of them
-    (10**6: the launches find no row) or none; in one pass or passes of 7 rows, padding rows past
-    cu_seqlens_q[-1] (output 0), output poisoned first."""
+def test_prefill_tiles_and_kv_block_rows_mixed(target, tiles_take, pass_rows, monkeypatch):
+    """The rows the tiles leave through the KV-block launches (not the per-row kernel) where the tiles take none of
+    the rows (max_union 0), some (a union bound inside these batches' range of tile unions) or all of them (the
+    KV-block launches find no row); in one pass or passes of 7 rows, padding rows past cu_seqlens_q[-1] (output 0),
+    output poisoned first."""
     from m3sparse.kernels import sparse_attn, sparse_attn_kv_major
     from m3sparse.kernels.sparse_attn import sparse_attn_prefill
     monkeypatch.setattr(sparse_attn, "_row_attn", None)
     monkeypatch.setattr(sparse_attn, "KV_BLOCK_ABOVE_ROWS", 0)
-    monkeypatch.setattr(sparse_attn_kv_major, "ATTN_PROGRAMS", grids[0])
-    monkeypatch.setattr(sparse_attn_kv_major, "MERGE_PROGRAMS", grids[1])
+    marks = []
+    tile_attn = sparse_attn._tile_attn
+    monkeypatch.setattr(sparse_attn, "_tile_attn", lambda *a, **kw: (marks.append(tile_attn(*a, **kw)), marks[-1])[1])
     spec = dict(requests=[(150, 40), (0, 100), (70, 3)], heads=8, kv_heads=2, block_size=16)
     if target == "cuda":
         spec = dict(requests=[(9000, 700), (0, 2100), (3000, 5)], heads=16, kv_heads=1, block_size=128)
+    max_union = dict(none=0, some=12 if target == "cuda" else 6, all=10**6)[tiles_take]
     dtype = act_dtype(target) if target == "cuda" else torch.float16  # 16-bit dots on the GPU (kv_major_fits)
-    batch = make_batch(**spec, q_dtype=act_dtype(target), kv_dtype=dtype, seed=max_union % 89 + grids[0],
+    batch = make_batch(**spec, q_dtype=act_dtype(target), kv_dtype=dtype, seed=12,
                        device=device_of(target))
     if pass_rows:
         monkeypatch.setattr(sparse_attn_kv_major, "PASS_BYTES", pass_rows * 4 * batch.q.shape[1] * batch.q.shape[2] *
@@ -737,6 +738,8 @@ def test_prefill_kv_block_launches_in_small_grids(target, grids, max_union, pass
     out = torch.full_like(q, float("nan"))
     sparse_attn_prefill(q, batch.kv_cache, ids_padded, batch.block_table, **batch.prefill_meta(), scale=128 ** -0.5,
                         out=out, k_scale=batch.k_scale, v_scale=batch.v_scale, max_union=max_union)
+    tiled = (marks[0][:batch.q.shape[0] * batch.kv_cache.shape[1]] != 0).float().mean().item()
+    assert dict(none=tiled == 0, some=0 < tiled < 1, all=tiled == 1)[tiles_take], f"share of rows tiled: {tiled}"
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
     assert rel_err(out[:-pad], batch.attn_prefill(ids, impl=reference)) <= attn_tol(target, dtype)
     assert (out[-pad:] == 0).all()

@@ -15,8 +15,8 @@ Launches, all sync-free (buffers sized by the pair count's bound, Hkv x rows x k
    own block, of a row the tile kernel did not compute) takes a rank in its bucket by an atomic add.
 2. one cumsum of the bucket's pair and chunk counts;
 3. ``_pair_fill_kernel``: the pair list in bucket order, and an entry (bucket, first pair, pairs) per chunk;
-4. ``_kv_major_attn_kernel``: its programs stride over the chunk entries;
-5. ``_merge_pairs_kernel``: per run of rows and KV head, the log-sum-exp merge of each row's pairs into ``out``.
+4. ``_kv_major_attn_kernel``: one program per chunk entry;
+5. ``_merge_pairs_kernel``: per (row, KV head), the log-sum-exp merge of the row's pairs into ``out``.
 Batches whose partials would exceed PASS_BYTES run in passes of consecutive rows.
 """
 from __future__ import annotations
@@ -38,10 +38,6 @@ CHUNK = 64
 PASS_BYTES = 2 << 30
 # Rows per tile of the rank and fill launches.
 RANK_ROWS = 16
-# Grid bounds: the attention launch's programs stride over its chunk entries, and each merge program takes a run of
-# rows (up to 16, a power of two), so that where the tiles leave no row the two launches start ~4k and ~8k programs
-# instead of one per bound chunk and one per row (H200, 128k locality: ~35k and 128k programs, 48 and 84 us).
-ATTN_PROGRAMS, MERGE_PROGRAMS = 4096, 8192
 
 
 def kv_major_fits(group: int, dot_f32: bool) -> bool:
@@ -69,16 +65,13 @@ def _valid_pairs(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, i, g, 
     if MARKED:
         live = live & (tl.load(mark_ptr + t * HKV + g, mask=own, other=1) == 0)
     ok = live[:, None] & (k < TOPK)[None, :]
-    ids = tl.full([R, TOPK_PAD], -1, tl.int32)
+    ids = tl.load(ids_ptr + g * id_sh + t[:, None] * id_st + k[None, :] * id_sk, mask=ok, other=-1)
     own_block = ((pos0 + local) // BS)[:, None]
-    # Tiles whose rows the tile kernel all took (every tile at 128k locality) skip the ids and their dedup.
-    if tl.sum(live.to(tl.int32), axis=0) > 0:
-        ids = tl.load(ids_ptr + g * id_sh + t[:, None] * id_st + k[None, :] * id_sk, mask=ok, other=-1)
-        ok &= (ids >= 0) & (ids < width) & (ids <= own_block)
-        # A repeated id counts once, at its first slot (as the per-row kernel and the reference keep it).
-        for j in tl.static_range(1, TOPK):
-            earlier = tl.sum(tl.where(k[None, :] == j - 1, ids, 0), axis=1)
-            ok &= ~((ids == earlier[:, None]) & (k[None, :] >= j))
+    ok &= (ids >= 0) & (ids < width) & (ids <= own_block)
+    # A repeated id counts once, at its first slot (as the per-row kernel and the reference keep it).
+    for j in tl.static_range(1, TOPK):
+        earlier = tl.sum(tl.where(k[None, :] == j - 1, ids, 0), axis=1)
+        ok &= ~((ids == earlier[:, None]) & (k[None, :] >= j))
     # A row's own block is the only one it may see in part: those pairs get a bucket of their own, so the chunks
     # of every other bucket need no causal mask.
     bucket = ((g * BATCH + b) * width + ids) * 2 + (ids == own_block).to(tl.int32)
@@ -178,98 +171,80 @@ def _kv_major_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, bt_ptr
                           GP: tl.constexpr, TQ: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                           TOPK: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
                           DOT_F32: tl.constexpr):
-    """Programs stride over the chunk entries (a grid smaller than the bound on their count, so that where the
-    tiles leave no row few programs find none): per entry, the block's K / V once, then TQ of the chunk's pairs x GP
-    heads per step; each pair's output (normalized, o_ptr [rows, TOPK, H, D]) and log-sum-exp (lse_ptr
-    [rows, TOPK, H], fp32)."""
-    j = tl.arange(0, BS)
-    d = tl.arange(0, D)
-    k_mult, v_mult = softmax_multipliers(scale, v_factor, ks_ptr, vs_ptr, K_SCALE, V_SCALE)
-    for c in range(tl.program_id(0), tl.load(cum_ptr + 2 * NB - 1), tl.num_programs(0)):  # the chunk count
-            bucket = tl.load(table_ptr + c)
-            start = tl.load(table_ptr + max_chunks + c)
-            n = tl.load(table_ptr + 2 * max_chunks + c)
-            own_blocks = bucket % 2
-            g = bucket // (2 * BATCH * width)
-            b = (bucket // (2 * width)) % BATCH
-            blk = (bucket // 2) % width
-            page = tl.load(bt_ptr + b * bt_sb + blk)
-            use = (page >= 0) & (page < num_pages)
-            page = tl.where(use, page, 0)
-            # Positions of the request's rows: row t - r0 (a pair's row, relative to the pass) sits at t + pos_shift.
-            pos_shift = r0 + tl.load(ctx_ptr + b) - tl.load(cu_ptr + b)
-            key_pos = blk * BS + j
-            # Slots past the request's length were never written and may hold anything (NaN): not loaded.
-            # (A scalar bool & a vector gives int32 under the interpreter: the page's use folds into the bound.)
-            seq_len = tl.where(use, tl.load(seq_ptr + b), 0)
-            loaded = key_pos < seq_len
-            base = kv_ptr + page.to(tl.int64) * kv_sp + g * kv_sh + j[:, None] * kv_ss + d[None, :]
-            k = tl.load(base, mask=loaded[:, None], other=0.0)
-            v = tl.load(base + D, mask=loaded[:, None], other=0.0)
-            slot = page * BS + j
-            # Pairs of rows the block is not the own block of (15 of each row's 16) see all of a block loaded
-            # whole: no mask per key.
-            if (own_blocks == 0) & (blk * BS + BS <= seq_len):
-                _kv_block_steps(q_ptr, q_st, q_sh, k, v, loaded, key_pos, slot, g, pos_shift, r0, start, n, pair_ptr,
-                                ks_ptr, ks_sh, vs_ptr, vs_sh, k_mult, v_mult, o_ptr, lse_ptr, H, G, GP, TQ, D, TOPK,
-                                K_SCALE, V_SCALE, DOT_F32, False)
-            else:
-                _kv_block_steps(q_ptr, q_st, q_sh, k, v, loaded, key_pos, slot, g, pos_shift, r0, start, n, pair_ptr,
-                                ks_ptr, ks_sh, vs_ptr, vs_sh, k_mult, v_mult, o_ptr, lse_ptr, H, G, GP, TQ, D, TOPK,
-                                K_SCALE, V_SCALE, DOT_F32, True)
-
-
-@triton.jit
-def _merge_row(o_ptr, lse_ptr, rank_ptr, t, g, inside, r0, rows, out_ptr, out_st, out_sh, H, G: tl.constexpr,
-               GP: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, D: tl.constexpr):
-    """out[r0 + t, KV head g's heads] = the exact merge of the row's pair outputs by their log-sum-exps; 0 where the
-    row saw no key and for a padding row (not ``inside``: past cu_seqlens_q[-1], its ranks never written)."""
-    k = tl.arange(0, TOPK_PAD)
-    h = tl.arange(0, GP)
-    d = tl.arange(0, D)
-    head = g * G + h
-    valid = tl.load(rank_ptr + (g * rows + t) * TOPK + k, mask=k < tl.where(inside, TOPK, 0), other=-1) >= 0
-    part = (t * TOPK + k[:, None]).to(tl.int64) * H + head[None, :]
-    lse = tl.load(lse_ptr + part, mask=valid[:, None] & (h < G)[None, :], other=float("-inf"))
-    mx = tl.max(lse, axis=0)
-    mx = tl.where(mx > float("-inf"), mx, 0.0)
-    total = tl.sum(tl.exp(lse - mx[None, :]), axis=0)
-    acc = tl.zeros([GP, D], tl.float32)
-    for s in tl.static_range(TOPK):
-        # Pair s's weights from the log-sum-exps already loaded (-inf, a weight of 0, where it is no pair).
-        w = tl.exp(tl.sum(tl.where(k[:, None] == s, lse, 0.0), axis=0) - mx)
-        row = (t * TOPK + s).to(tl.int64) * H + head
-        acc += w[:, None] * tl.load(o_ptr + row[:, None] * D + d[None, :], mask=(w > 0)[:, None], other=0.0).to(
-            tl.float32)
-    res = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + (r0 + t) * out_st + head[:, None] * out_sh + d[None, :], res.to(out_ptr.dtype.element_ty),
-             mask=(h < G)[:, None])
+    """Program per chunk entry: the block's K / V once, then TQ of the chunk's pairs x GP heads per step; each
+    pair's output (normalized, o_ptr [rows, TOPK, H, D]) and log-sum-exp (lse_ptr [rows, TOPK, H], fp32)."""
+    c = tl.program_id(0)
+    if c < tl.load(cum_ptr + 2 * NB - 1):  # the chunk count
+        bucket = tl.load(table_ptr + c)
+        start = tl.load(table_ptr + max_chunks + c)
+        n = tl.load(table_ptr + 2 * max_chunks + c)
+        own_blocks = bucket % 2
+        g = bucket // (2 * BATCH * width)
+        b = (bucket // (2 * width)) % BATCH
+        blk = (bucket // 2) % width
+        page = tl.load(bt_ptr + b * bt_sb + blk)
+        use = (page >= 0) & (page < num_pages)
+        page = tl.where(use, page, 0)
+        # Positions of the request's rows: row t - r0 (a pair's row, relative to the pass) sits at t + pos_shift.
+        pos_shift = r0 + tl.load(ctx_ptr + b) - tl.load(cu_ptr + b)
+        j = tl.arange(0, BS)
+        d = tl.arange(0, D)
+        key_pos = blk * BS + j
+        # Slots past the request's length were never written and may hold anything (NaN): not loaded.
+        # (A scalar bool & a vector gives int32 under the interpreter: the page's use folds into the bound.)
+        seq_len = tl.where(use, tl.load(seq_ptr + b), 0)
+        loaded = key_pos < seq_len
+        base = kv_ptr + page.to(tl.int64) * kv_sp + g * kv_sh + j[:, None] * kv_ss + d[None, :]
+        k = tl.load(base, mask=loaded[:, None], other=0.0)
+        v = tl.load(base + D, mask=loaded[:, None], other=0.0)
+        slot = page * BS + j
+        k_mult, v_mult = softmax_multipliers(scale, v_factor, ks_ptr, vs_ptr, K_SCALE, V_SCALE)
+        # Pairs of rows the block is not the own block of (15 of each row's 16) see all of a block loaded whole: no
+        # mask per key.
+        if (own_blocks == 0) & (blk * BS + BS <= seq_len):
+            _kv_block_steps(q_ptr, q_st, q_sh, k, v, loaded, key_pos, slot, g, pos_shift, r0, start, n, pair_ptr,
+                            ks_ptr, ks_sh, vs_ptr, vs_sh, k_mult, v_mult, o_ptr, lse_ptr, H, G, GP, TQ, D, TOPK,
+                            K_SCALE, V_SCALE, DOT_F32, False)
+        else:
+            _kv_block_steps(q_ptr, q_st, q_sh, k, v, loaded, key_pos, slot, g, pos_shift, r0, start, n, pair_ptr,
+                            ks_ptr, ks_sh, vs_ptr, vs_sh, k_mult, v_mult, o_ptr, lse_ptr, H, G, GP, TQ, D, TOPK,
+                            K_SCALE, V_SCALE, DOT_F32, True)
 
 
 @triton.jit
 def _merge_pairs_kernel(o_ptr, lse_ptr, rank_ptr, mark_ptr, cu_ptr, BATCH, r0, rows, HKV, out_ptr, out_st, out_sh, H,
                         G: tl.constexpr, GP: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-                        D: tl.constexpr, ROWS: tl.constexpr, MARKED: tl.constexpr):
-    """Program (ROWS rows from r0 + ROWS x program id, KV head g): ``_merge_row`` for each of them the tile kernel
-    did not compute. A program whose rows the tiles all took stops after one load of their marks: where the tiles
-    take every row (128k locality), 128k one-row programs that each load a mark cost ~85 us (H200)."""
-    t0 = tl.program_id(0) * ROWS
+                        D: tl.constexpr, MARKED: tl.constexpr):
+    """Program (row r0 + t, KV head g): out = the exact merge of the row's pair outputs by their log-sum-exps,
+    for rows the tile kernel did not compute; 0 for a row with no key seen and for padding rows (past
+    cu_seqlens_q[-1]: no request, their rank and mark never written)."""
+    t = tl.program_id(0)
     g = tl.program_id(1)
-    requests_end = tl.load(cu_ptr + BATCH)
-    tt = t0 + tl.arange(0, ROWS)
-    todo = tt < rows
+    inside = r0 + t < tl.load(cu_ptr + BATCH)
+    skip = False
     if MARKED:
-        todo &= tl.load(mark_ptr + (r0 + tt) * HKV + g, mask=todo & (r0 + tt < requests_end), other=0) == 0
-    if tl.sum(todo.to(tl.int32), axis=0) > 0:
-        for i in range(ROWS):
-            t = t0 + i
-            inside = r0 + t < requests_end
-            skip = t >= rows
-            if MARKED:
-                skip = skip | tl.load(mark_ptr + (r0 + t) * HKV + g, mask=inside & (t < rows), other=0) != 0
-            if not skip:
-                _merge_row(o_ptr, lse_ptr, rank_ptr, t, g, inside, r0, rows, out_ptr, out_st, out_sh, H, G, GP, TOPK,
-                           TOPK_PAD, D)
+        skip = tl.where(inside, tl.load(mark_ptr + (r0 + t) * HKV + g), 0) != 0
+    if not skip:
+        k = tl.arange(0, TOPK_PAD)
+        h = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        head = g * G + h
+        valid = tl.load(rank_ptr + (g * rows + t) * TOPK + k, mask=k < tl.where(inside, TOPK, 0), other=-1) >= 0
+        part = (t * TOPK + k[:, None]).to(tl.int64) * H + head[None, :]
+        lse = tl.load(lse_ptr + part, mask=valid[:, None] & (h < G)[None, :], other=float("-inf"))
+        mx = tl.max(lse, axis=0)
+        mx = tl.where(mx > float("-inf"), mx, 0.0)
+        total = tl.sum(tl.exp(lse - mx[None, :]), axis=0)
+        acc = tl.zeros([GP, D], tl.float32)
+        for s in tl.static_range(TOPK):
+            # Pair s's weights from the log-sum-exps already loaded (-inf, a weight of 0, where it is no pair).
+            w = tl.exp(tl.sum(tl.where(k[:, None] == s, lse, 0.0), axis=0) - mx)
+            row = (t * TOPK + s).to(tl.int64) * H + head
+            acc += w[:, None] * tl.load(o_ptr + row[:, None] * D + d[None, :], mask=(w > 0)[:, None], other=0.0).to(
+                tl.float32)
+        res = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(out_ptr + (r0 + t) * out_st + head[:, None] * out_sh + d[None, :], res.to(out_ptr.dtype.element_ty),
+                 mask=(h < G)[:, None])
 
 
 def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torch.Tensor, block_table: torch.Tensor,
@@ -312,12 +287,11 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
         cum = torch.cumsum(counts, 1, dtype=torch.int32)
         launch(_pair_fill_kernel, grid, *select, counts, cum, rank, pairs, table, max_chunks, nb, **shape,
                num_warps=4)
-        launch(_kv_major_attn_kernel, (min(max_chunks, ATTN_PROGRAMS),), q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3],
+        launch(_kv_major_attn_kernel, (max_chunks,), q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3],
                block_table, block_table.stride(0), num_pages, cu_seqlens_q, context_lens, seq_lens, batch, width, r0,
                table, max_chunks, cum, nb, pairs, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, part_o,
                part_lse, num_heads, G=group, GP=gp, TQ=tq, BS=bs, D=dim, TOPK=topk, K_SCALE=sc.k_mode,
                V_SCALE=sc.v_mode, DOT_F32=dot_f32, num_warps=4, num_stages=1)
-        merge_rows = min(16, 1 << (max(1, rows // MERGE_PROGRAMS).bit_length() - 1))
-        launch(_merge_pairs_kernel, (cdiv(rows, merge_rows), kv_heads), part_o, part_lse, rank, mark_arg,
-               cu_seqlens_q, batch, r0, rows, kv_heads, out, *out.stride()[:2], num_heads, G=group, GP=gp, TOPK=topk,
-               TOPK_PAD=ids_pad(topk), D=dim, ROWS=merge_rows, MARKED=marked, num_warps=4)
+        launch(_merge_pairs_kernel, (rows, kv_heads), part_o, part_lse, rank, mark_arg, cu_seqlens_q, batch, r0,
+               rows, kv_heads, out, *out.stride()[:2], num_heads, G=group, GP=gp, TOPK=topk, TOPK_PAD=ids_pad(topk),
+               D=dim, MARKED=marked, num_warps=4)
