@@ -522,10 +522,10 @@ def test_locate_prefill_rows_and_tiles(target, lens, tq, padding):
 
 
 def test_union_launch_records_each_tile(target, monkeypatch):
-    """The prefill union launch's per-tile record [6, tiles, Hkv]: union size (distinct valid ids of the rows the
+    """The prefill union launch's per-tile record [7, tiles, Hkv]: union size (distinct valid ids of the rows the
     tile order put in the tile's slots), n_all <= n_full <= size, and the tile's first slot, rows left in its
-    request and position - row index, which the Gluon attention launch reads instead of locating its tile; -1 as
-    the size on the grid's tail."""
+    request, position - row index and its request's last position, which the Gluon attention launch reads
+    instead of locating its tile; -1 as the size on the grid's tail."""
     from m3sparse.kernels import sparse_attn
     monkeypatch.setattr(sparse_attn, "TILE_ORDER_GROUPS", ((0, 32),))
     spec = dict(requests=[(37, 29), (0, 45), (70, 3)], heads=4, kv_heads=2, block_size=16)
@@ -542,7 +542,7 @@ def test_union_launch_records_each_tile(target, monkeypatch):
     args, ls = launches[-1]
     tiles, kv_heads = ls[0][0][0], ls[0][0][1]
     tq = ls[0][1]["TQ"]
-    record = args[16][:6 * tiles * kv_heads].view(6, tiles, kv_heads).cpu()
+    record = args[16][:7 * tiles * kv_heads].view(7, tiles, kv_heads).cpu()
     order = args[18][:ids.shape[1] * kv_heads].view(-1, kv_heads).cpu()
     bs, width = batch.block_size, batch.block_table.shape[1]
     i = row0 = 0
@@ -553,9 +553,10 @@ def test_union_launch_records_each_tile(target, monkeypatch):
                 rows = [int(order[s, g]) for s in slots]
                 chosen = {int(x) for t in rows for x in ids[g, t].tolist()
                           if 0 <= x <= batch.rows[t][1] // bs and x < width}
-                size, n_all, n_full, first_slot, left, pos0 = record[:, i, g].tolist()
-                assert (size, first_slot, left, pos0) == (len(chosen), row0 + before, req.query_len - before,
-                                                          req.context_len - row0)
+                size, n_all, n_full, first_slot, left, pos0, last = record[:, i, g].tolist()
+                assert (size, first_slot, left, pos0, last) == (len(chosen), row0 + before, req.query_len - before,
+                                                                req.context_len - row0,
+                                                                req.context_len + req.query_len - 1)
                 assert 0 <= n_all <= n_full <= size
             i += 1
         row0 += req.query_len
@@ -815,12 +816,15 @@ def test_tile_kernel_at_tiny_and_large_softmax_scales(target, scale):
     (torch.bfloat16, 16, 1, 12, 128 ** -0.5), (torch.bfloat16, 16, 1, 10**6, 4.0),
     (torch.float16, 16, 1, 10**6, 1e-3)])
 @pytest.mark.parametrize("order_group", [0, 32])
-def test_hopper_tile_attention_matches_reference(dtype, heads, kv_heads, max_union, scale, order_group,
+@pytest.mark.parametrize("junk", [False, True])
+def test_hopper_tile_attention_matches_reference(dtype, heads, kv_heads, max_union, scale, order_group, junk,
                                                  monkeypatch):
     """The Gluon tile attention (16-bit queries and cache of one dtype, sm_90): chunks on cached prefixes, tiles
     across block edges, tiles of consecutive or of permuted rows, NaN in every unwritten cache slot, all tiles or a
     mix with the per-row kernel, launched twice (the same output); the test fails if another kernel computed the
-    tiles."""
+    tiles. With junk: a share of the ids replaced by noise (repeats, negatives, past the row's own block or the
+    table) and blocks whose pages lie outside the cache (no keys), among them blocks every key of which precedes
+    the rows that chose them (masked per row) and the last blocks of requests (masked per key)."""
     if not (torch.cuda.get_device_capability() == (9, 0) and triton.__version__.startswith("3.6.")):
         pytest.skip("the Gluon tile attention runs on sm_90 with Triton 3.6")
     from m3sparse.kernels import sparse_attn, sparse_attn_tiles_gluon
@@ -834,6 +838,13 @@ def test_hopper_tile_attention_matches_reference(dtype, heads, kv_heads, max_uni
                        block_size=128, q_dtype=dtype, kv_dtype=dtype, index_dtype=torch.bfloat16,
                        seed=heads + max_union % 7, device="cuda")
     ids = batch.index_prefill(impl=reference)
+    if junk:
+        gen = torch.Generator().manual_seed(heads)
+        noise = torch.randint(-2, batch.block_table.shape[1] + 3, ids.shape, generator=gen, dtype=torch.int32)
+        ids = torch.where((torch.rand(ids.shape, generator=gen) < 0.2).to(ids.device), noise.to(ids.device), ids)
+        batch.block_table[0, 3] = -1
+        batch.block_table[1, 2] = batch.kv_cache.shape[0] + 3
+        batch.block_table[1, 2100 // 128] = -1  # the last block of request 1
     outs = []
     for _ in range(2):  # the second launch takes launch()'s cached path
         out = torch.full_like(batch.q, float("nan"))

@@ -291,10 +291,10 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     order_group = next((g for rows, g in TILE_ORDER_GROUPS if num_tokens >= rows), 0) if apart else 0
     ordered = order_group > 0 and tq > 1
     # One allocation for the union scratch [tiles, Hkv, splits, 3, tq * k_pad] and, for a union launch apart (prefill),
-    # the union sizes and tile rows [6, tiles, Hkv], the rows of the tiles' slots [T, Hkv] (int32, if ordered) and
+    # the union sizes and tile rows [7, tiles, Hkv], the rows of the tiles' slots [T, Hkv] (int32, if ordered) and
     # the row marks [T, Hkv] (int8): each allocation is host time before the first kernel of an eager prefill.
     union_size = tiles * kv_heads * splits * 3 * tq * topk_pad
-    sizes_words = 6 * tiles * kv_heads if apart else 0
+    sizes_words = 7 * tiles * kv_heads if apart else 0
     order_words = cdiv(num_tokens * kv_heads, 2) if ordered else 0
     marks_words = cdiv(num_tokens * kv_heads, 8) if apart else 0
     union = torch.empty(union_size + sizes_words + order_words + marks_words, dtype=torch.int64, device=q.device)

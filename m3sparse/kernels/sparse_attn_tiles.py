@@ -198,8 +198,9 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
     scratch [tiles, Hkv, SPLITS, 3, N]), then attend over the split's share of the union if it has at most
     MAX_UNION blocks. Prefill: tile i of a request is its slots (i - first tile) x TQ ..., whose rows
     ``tile_order`` wrote to order_ptr ([T, Hkv] int32) where ORDERED, else the slots' own rows. BUILD_UNION alone
-    (prefill): only the union (split 0's scratch), its (size, n_all, n_full) and the tile's (first slot, rows,
-    position - row index) (count_ptr [6, tiles, Hkv], int64; size -1 on the grid's tail) and a mark on the rows of
+    (prefill): only the union (split 0's scratch), its (size, n_all, n_full), the tile's (first slot, rows,
+    position - row index) and its request's last position (count_ptr [7, tiles, Hkv], int64; size -1 on the grid's
+    tail) and a mark on the rows of
     tiles the attention will compute (row_ptr [T, Hkv], int8: the per-row kernel computes the others); ATTEND alone:
     only the attention, over what such a launch wrote. Decode: tile b is request b's DQL rows (positions
     seq_lens[b] - DQL ...); with SPLITS > 1 the partials go to m/l/acc_ptr [T, SPLITS, H(, D)]."""
@@ -246,6 +247,7 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
                 tl.store(count_ptr + 3 * num_tiles + tile_id, row0)
                 tl.store(count_ptr + 4 * num_tiles + tile_id, nrows)
                 tl.store(count_ptr + 5 * num_tiles + tile_id, pos0)
+                tl.store(count_ptr + 6 * num_tiles + tile_id, req_first + req_rows - 1)
                 rr = tl.arange(0, TQ)
                 t, _ = _tile_rows(rr, rr < nrows, row0, pos0, order_ptr, HKV, g, ORDERED)
                 mark = tl.zeros([TQ], tl.int8) + (count <= MAX_UNION).to(tl.int8)

@@ -30,6 +30,7 @@ from .launch import launch
 # blocks, three slots in the ring (a slot is refilled one chunk after it is read: two chunks in flight).
 ROWS, BLOCK_N, STAGES = 64, 64, 3
 NEG_INF = gl.constexpr(float("-inf"))
+POS_INF = gl.constexpr(float("inf"))
 
 
 def gluon_tiles_fit(q: torch.Tensor, kv_cache: torch.Tensor, tq: int, k_mode: int, v_mode: int) -> bool:
@@ -60,6 +61,14 @@ def _chunk_page(entries, chunk, n_chunks, N: gl.constexpr, SUB: gl.constexpr):
 
 
 @gluon.jit
+def _running_max(chunk_max, m_i):
+    """(the running row max after a chunk whose row maxima, scaled to log2 units, are chunk_max; the reference
+    its exponentials subtract: that max, or 0 while a row has seen no key, which keeps exp2() finite)."""
+    m_new = gl.maximum(m_i, chunk_max)
+    return m_new, gl.where(m_new > NEG_INF, m_new, 0.0)
+
+
+@gluon.jit
 def _issue_chunk(kv_desc, bars, k_smem, v_smem, page, chunk, n_chunks, g, HKV, SUB: gl.constexpr,
                  BS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
     """TMA copies of chunk ``chunk``'s K and V (its page read a chunk earlier) into slot chunk % STAGES, if it is
@@ -77,7 +86,7 @@ def _issue_chunk(kv_desc, bars, k_smem, v_smem, page, chunk, n_chunks, g, HKV, S
 
 @gluon.jit
 def _fold_chunk(j, s_regs, next_page, q, k_smem, v_smem, bars, kv_desc, entries, n_chunks, n_all, n_full, g, HKV,
-                k_mult, m_i, l_i, acc, r, pos, last_pos, jn, v_rows, N: gl.constexpr, SUB: gl.constexpr,
+                k_mult, m_i, l_i, acc, r, pos, req_last, jn, v_rows, N: gl.constexpr, SUB: gl.constexpr,
                 BS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, G: gl.constexpr, STAGES: gl.constexpr,
                 p_op: gl.constexpr, rows_o: gl.constexpr, v_ld: gl.constexpr):
     """Fold chunk j of the union into (m_i, l_i, acc); s_regs: registers for its scores (an S already
@@ -97,24 +106,39 @@ def _fold_chunk(j, s_regs, next_page, q, k_smem, v_smem, bars, kv_desc, entries,
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     if partial:
         # A block some rows of the tile did not choose: its keys count for the rows that did.
-        seen = (((chose >> (r // G).to(gl.int64)) & 1) != 0)[:, None] & (jn >= 0)[None, :]
+        pick = ((chose >> (r // G).to(gl.int64)) & 1) != 0
         if u >= n_full:
-            # Not fully visible: keys after a row are masked, and so is a block outside the cache.
-            key_pos = blk * BS + (j % SUB) * BLOCK_N + jn
-            seen = seen & (key_pos[None, :] <= pos[:, None]) & (page >= 0)
-            # V rows not loaded from the cache (after the tile's last row, or no page) must be zeros, not stale
-            # values: their weights are 0, and 0 x NaN would still be NaN.
-            v_pos = blk * BS + (j % SUB) * BLOCK_N + v_rows
-            v = v_smem.index(slot).load(v_ld)
-            v_smem.index(slot).store(gl.where(((v_pos <= last_pos) & (page >= 0))[:, None], v, 0.0))
-            fence_async_shared()
-            gl.thread_barrier()
-        s = gl.where(seen, s, NEG_INF)
+            # Not fully visible: keys after a row are masked, and so is a block outside the cache. As a limit
+            # per row on the chunk's key index: one compare per score (docs/perf-notes.md v40).
+            chunk0 = blk * BS + (j % SUB) * BLOCK_N
+            limit = gl.where(pick & (page >= 0), pos - chunk0, -1)
+            seen = jn[None, :] <= limit[:, None]
+            # V rows the request has not written (past its last position, or no page) must be zeros, not stale
+            # values: their weights are 0, and 0 x NaN would still be NaN. Slots up to the request's last
+            # position hold its keys and values (its rows attend to one another through the cache), so only the
+            # chunks of its last block, or of a block outside the cache, need this (the branch is uniform).
+            if (chunk0 + BLOCK_N - 1 > req_last) | (page < 0):
+                v = v_smem.index(slot).load(v_ld)
+                v_smem.index(slot).store(gl.where(((chunk0 + v_rows <= req_last) & (page >= 0))[:, None], v, 0.0))
+                fence_async_shared()
+                gl.thread_barrier()
+            s = gl.where(seen, s, NEG_INF)
+            m_new, m_ref = _running_max(gl.max(s, axis=1) * k_mult, m_i)
+            m_exp = m_ref
+        else:
+            # Every key is in the cache and before every row: the rows that did not choose the block are masked
+            # as rows, not key by key. Their chunk maximum is -inf and their exponent's reference +inf, so their
+            # weights are exp2(-inf) = 0 with no instruction per score (docs/perf-notes.md v40). These slots
+            # were written (they precede the rows), so a key there is a real one: a non-finite key would give
+            # NaN scores for these rows where the choosing rows' output is NaN anyway.
+            m_new, m_ref = _running_max(gl.where(pick, gl.max(s, axis=1) * k_mult, NEG_INF), m_i)
+            m_exp = gl.where(pick, m_ref, POS_INF)
+    else:
+        m_new, m_ref = _running_max(gl.max(s, axis=1) * k_mult, m_i)
+        m_exp = m_ref
     # The scale (> 0) applies to the row max once and to each score inside its exponent's FMA.
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * k_mult)
-    m_ref = gl.where(m_new > NEG_INF, m_new, 0.0)  # no key seen yet: keep exp2() finite
     alpha = gl.exp2(m_i - m_ref)
-    p = gl.exp2(s * k_mult - m_ref[:, None])
+    p = gl.exp2(s * k_mult - m_exp[:, None])
     l_i = l_i * alpha + gl.sum(p, axis=1)
     p = gl.convert_layout(p.to(q.dtype), p_op)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # done already (above): the token back to a tensor
@@ -133,8 +157,8 @@ def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count
                                     BS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, N: gl.constexpr,
                                     STAGES: gl.constexpr, ORDERED: gl.constexpr):
     """One program per (query tile, KV head): attention of the tile's M = TQ x G rows over the union the union
-    launch wrote (union_ptr: [tiles, Hkv, 1, 3, N]; count_ptr: [6, tiles, Hkv] int64 = union size (-1: no
-    tile), n_all, n_full, first slot, rows, position - row index), if it has at most MAX_UNION blocks. The tile's
+    launch wrote (union_ptr: [tiles, Hkv, 1, 3, N]; count_ptr: [7, tiles, Hkv] int64 = union size (-1: no
+    tile), n_all, n_full, first slot, rows, position - row index, the request's last position), if it has at most MAX_UNION blocks. The tile's
     rows are those ``tile_order`` put in its slots (order_ptr: [T, Hkv] int32) where ORDERED, else the slots'
     own."""
     M: gl.constexpr = TQ * G
@@ -150,6 +174,7 @@ def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count
         row0 = gl.load(count_ptr + 3 * num_tiles + tile_id).to(gl.int32)
         nrows = gl.load(count_ptr + 4 * num_tiles + tile_id).to(gl.int32)
         pos0 = gl.load(count_ptr + 5 * num_tiles + tile_id).to(gl.int32)
+        req_last = gl.load(count_ptr + 6 * num_tiles + tile_id).to(gl.int32)
         entries = union_ptr + tile_id * 3 * N
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -184,7 +209,6 @@ def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count
         r = gl.arange(0, M, layout=rows_s)
         live_s = (r // G) < nrows
         pos = _slot_rows(order_ptr, row0, r // G, live_s, HKV, g, ORDERED) + pos0
-        last_pos = gl.max(gl.where(live_s, pos, -1), axis=0)
         jn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         v_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
         k_mult = scale * 1.4426950408889634  # log2(e): the softmax runs on exp2
@@ -195,7 +219,7 @@ def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count
         for j in range(n_chunks):
             s_regs, next_page, m_i, l_i, acc = _fold_chunk(j, s_regs, next_page, q, k_smem, v_smem, bars, kv_desc,
                                                            entries, n_chunks, n_all, n_full, g, HKV, k_mult, m_i,
-                                                           l_i, acc, r, pos, last_pos, jn, v_rows, N, SUB, BS,
+                                                           l_i, acc, r, pos, req_last, jn, v_rows, N, SUB, BS,
                                                            BLOCK_N, D, G, STAGES, p_op, rows_o, ld)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         retire_ring(bars, STAGES)
