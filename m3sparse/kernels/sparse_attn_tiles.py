@@ -200,10 +200,10 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
     ``tile_order`` wrote to order_ptr ([T, Hkv] int32) where ORDERED, else the slots' own rows. BUILD_UNION alone
     (prefill): only the union (split 0's scratch), its (size, n_all, n_full), the tile's (first slot, rows,
     position - row index) and its request's last position (count_ptr [7, tiles, Hkv], int64; size -1 on the grid's
-    tail) and a mark on the rows of
-    tiles the attention will compute (row_ptr [T, Hkv], int8: the per-row kernel computes the others); ATTEND alone:
-    only the attention, over what such a launch wrote. Decode: tile b is request b's DQL rows (positions
-    seq_lens[b] - DQL ...); with SPLITS > 1 the partials go to m/l/acc_ptr [T, SPLITS, H(, D)]."""
+    tail) and a mark on the rows of tiles the attention will compute (row_ptr [T, Hkv], int8: the per-row kernel
+    computes the others); ATTEND alone: only the attention, over what such a launch wrote. Decode: tile b is
+    request b's DQL rows (positions seq_lens[b] - DQL ...); with SPLITS > 1 the partials go to m/l/acc_ptr [T,
+    SPLITS, H(, D)]."""
     N: tl.constexpr = TQ * TOPK_PAD
     wait_for_producer(PDL)
     i = tl.program_id(0)

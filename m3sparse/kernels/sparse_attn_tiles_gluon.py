@@ -10,9 +10,10 @@ the table (docs/perf-notes.md v18):
   address arithmetic or cp.async instructions;
 - the wgmma waits are explicit: PV(j) runs on while the next chunk's K / V are waited for and its QK is issued,
   and is waited for together with that QK.
-Chunks of blocks chosen by only some rows mask their scores per row; chunks of blocks that are not fully visible
-(the tile's own block, blocks outside the cache) also mask causally and zero the V rows that were not loaded
-from the cache (stale slots past the sequence could hold NaN, and 0 x NaN is NaN).
+Chunks of blocks chosen by only some rows, all of whose keys precede the tile's rows, drop the other rows as rows
+(a row term in the softmax, no instruction per score); chunks of blocks that are not fully visible (the tile's own
+block, blocks outside the cache) mask per score, by row and causally, and in a request's last block or a block
+outside the cache zero the V rows the request has not written (stale slots could hold NaN, and 0 x NaN is NaN).
 """
 from __future__ import annotations
 
@@ -158,9 +159,9 @@ def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count
                                     STAGES: gl.constexpr, ORDERED: gl.constexpr):
     """One program per (query tile, KV head): attention of the tile's M = TQ x G rows over the union the union
     launch wrote (union_ptr: [tiles, Hkv, 1, 3, N]; count_ptr: [7, tiles, Hkv] int64 = union size (-1: no
-    tile), n_all, n_full, first slot, rows, position - row index, the request's last position), if it has at most MAX_UNION blocks. The tile's
-    rows are those ``tile_order`` put in its slots (order_ptr: [T, Hkv] int32) where ORDERED, else the slots'
-    own."""
+    tile), n_all, n_full, first slot, rows, position - row index, the request's last position), if it has at most
+    MAX_UNION blocks. The tile's rows are those ``tile_order`` put in its slots (order_ptr: [T, Hkv] int32) where
+    ORDERED, else the slots' own."""
     M: gl.constexpr = TQ * G
     SUB: gl.constexpr = BS // BLOCK_N
     i = gl.program_id(0)
