@@ -39,6 +39,14 @@ def poisoned_ids(kv_heads, tokens, topk, device):
     return torch.full((kv_heads, tokens, topk), 12345, dtype=torch.int32, device=device)
 
 
+def noisy_ids(ids, share, high, seed):
+    """ids with about ``share`` of them replaced by uniform draws from [-2, high): negatives, repeats, ids past a
+    row's own block and, with ``high`` above the block table's width, past the table."""
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randint(-2, high, ids.shape, generator=gen, dtype=torch.int32)
+    return torch.where((torch.rand(ids.shape, generator=gen) < share).to(ids.device), noise.to(ids.device), ids)
+
+
 def assert_same_selection(batch, got, ref, topk, local_blocks=1, init_blocks=0, tol=1e-3):
     """Identical id sets row by row, except near ties: a differing row must still be a valid top-k of the
     float64 scores, with kept/dropped scores within ``tol`` of each other."""
@@ -657,9 +665,7 @@ def test_prefill_rows_by_kv_block(target, kv_dtype, scale_kind, pass_rows, monke
         monkeypatch.setattr(sparse_attn_kv_major, "PASS_BYTES", pass_rows * 4 * batch.q.shape[1] * batch.q.shape[2] *
                             batch.q.element_size())
     ids = batch.index_prefill(impl=reference, topk=4)
-    gen = torch.Generator().manual_seed(3)
-    noise = torch.randint(-2, batch.block_table.shape[1] + 3, ids.shape, generator=gen, dtype=torch.int32)
-    ids = torch.where((torch.rand(ids.shape, generator=gen) < 0.3).to(ids.device), noise.to(ids.device), ids)
+    ids = noisy_ids(ids, 0.3, batch.block_table.shape[1] + 3, seed=3)
     ids[..., 1] = ids[..., 0]  # a repeated id counts once
     # Blocks before the rows' own ones whose pages lie outside the cache: no keys (not page 0's).
     batch.block_table[0, 1] = -1
@@ -697,9 +703,7 @@ def test_prefill_by_kv_block_any_batch(target, requests, group, kv_heads, topk, 
         monkeypatch.setattr(sparse_attn_kv_major, "PASS_BYTES", pass_rows * topk * batch.q.shape[1] *
                             batch.q.shape[2] * batch.q.element_size())
     ids = batch.index_prefill(impl=reference, topk=topk)
-    gen = torch.Generator().manual_seed(seed)
-    junk = torch.randint(-2, batch.block_table.shape[1] + 2, ids.shape, generator=gen, dtype=torch.int32)
-    ids = torch.where((torch.rand(ids.shape, generator=gen) < noise).to(ids.device), junk.to(ids.device), ids)
+    ids = noisy_ids(ids, noise, batch.block_table.shape[1] + 2, seed)
     out = torch.full_like(batch.q, float("nan"))
     sparse_attn_prefill(batch.q, batch.kv_cache, ids, batch.block_table, **batch.prefill_meta(), scale=128 ** -0.5,
                         out=out, k_scale=batch.k_scale, v_scale=batch.v_scale, max_union=0)
@@ -823,8 +827,9 @@ def test_hopper_tile_attention_matches_reference(dtype, heads, kv_heads, max_uni
     across block edges, tiles of consecutive or of permuted rows, NaN in every unwritten cache slot, all tiles or a
     mix with the per-row kernel, launched twice (the same output); the test fails if another kernel computed the
     tiles. With junk: a share of the ids replaced by noise (repeats, negatives, past the row's own block or the
-    table) and blocks whose pages lie outside the cache (no keys), among them blocks every key of which precedes
-    the rows that chose them (masked per row) and the last blocks of requests (masked per key)."""
+    table) and blocks whose pages lie outside the cache (no keys; masked per key, their V rows zeroed), one of them
+    a request's last block. Blocks that only some rows of a tile chose, all of whose keys precede those rows (masked
+    per row), occur wherever a tile's rows chose differently, as the reference selections here do."""
     if not (torch.cuda.get_device_capability() == (9, 0) and triton.__version__.startswith("3.6.")):
         pytest.skip("the Gluon tile attention runs on sm_90 with Triton 3.6")
     from m3sparse.kernels import sparse_attn, sparse_attn_tiles_gluon
@@ -839,9 +844,7 @@ def test_hopper_tile_attention_matches_reference(dtype, heads, kv_heads, max_uni
                        seed=heads + max_union % 7, device="cuda")
     ids = batch.index_prefill(impl=reference)
     if junk:
-        gen = torch.Generator().manual_seed(heads)
-        noise = torch.randint(-2, batch.block_table.shape[1] + 3, ids.shape, generator=gen, dtype=torch.int32)
-        ids = torch.where((torch.rand(ids.shape, generator=gen) < 0.2).to(ids.device), noise.to(ids.device), ids)
+        ids = noisy_ids(ids, 0.2, batch.block_table.shape[1] + 3, seed=heads)
         batch.block_table[0, 3] = -1
         batch.block_table[1, 2] = batch.kv_cache.shape[0] + 3
         batch.block_table[1, 2100 // 128] = -1  # the last block of request 1
