@@ -750,6 +750,54 @@ def test_prefill_tiles_and_kv_block_rows_mixed(target, tiles_take, pass_rows, mo
     assert (out[-pad:] == 0).all()
 
 
+@pytest.mark.gpu
+def test_prefill_tiles_beside_kv_blocks_replay_in_a_cuda_graph(monkeypatch):
+    """A prefill whose tile attention runs on a stream beside the KV-block launches (each takes some of the rows),
+    captured in a CUDA graph: every replay, on new queries, matches the reference, and so does the eager call."""
+    from m3sparse.kernels import sparse_attn
+    from m3sparse.kernels.sparse_attn import sparse_attn_prefill
+    forks = []
+    beside = sparse_attn._beside_stream
+    monkeypatch.setattr(sparse_attn, "_beside_stream", lambda device: (forks.append(device), beside(device))[1])
+    marks = []
+    tile_attn = sparse_attn._tile_attn
+    monkeypatch.setattr(sparse_attn, "_tile_attn", lambda *a, **kw: (marks.append(tile_attn(*a, **kw)), marks[-1])[1])
+    batch = make_batch(requests=[(9000, 700), (0, 2100), (3000, 5)], heads=16, kv_heads=1, block_size=128,
+                       q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, seed=21, device="cuda")
+    ids = batch.index_prefill(impl=reference)
+    meta = batch.prefill_meta()  # device tensors made before the capture
+    q = batch.q.clone()
+    out = torch.full_like(q, float("nan"))
+
+    def step():
+        sparse_attn_prefill(q, batch.kv_cache, ids, batch.block_table, **meta, scale=128 ** -0.5, out=out,
+                            k_scale=None, v_scale=None, max_union=12)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert forks, "the tile attention did not run beside the KV-block launches"
+    tiled = (marks[0] != 0).float().mean().item()
+    assert 0 < tiled < 1, f"share of rows tiled: {tiled}"
+    ref = reference.sparse_attn_prefill(q, batch.kv_cache, ids, batch.block_table, **meta)
+    assert rel_err(out, ref) <= attn_tol("cuda", torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for _ in range(2):
+        q.copy_(torch.randn(q.shape, device="cuda", generator=gen))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all(), "unwritten or non-finite output"
+        ref = reference.sparse_attn_prefill(q, batch.kv_cache, ids, batch.block_table, **meta)
+        assert rel_err(out, ref) <= attn_tol("cuda", torch.bfloat16)
+
+
 @pytest.mark.parametrize("kv_heads, above", [(1, 0), (1, 62), (2, 124), (2, 123)])
 def test_prefill_rows_by_kv_block_only_in_large_batches(target, kv_heads, above, monkeypatch):
     """The rows the tiles leave go by KV block only when the batch's rows x KV heads exceed KV_BLOCK_ABOVE_ROWS

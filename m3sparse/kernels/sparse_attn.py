@@ -12,6 +12,8 @@ SMs; fewer stay on the per-row kernel, whose short programs hide latency better.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -270,12 +272,14 @@ def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
 
 
 def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32, prefill=None,
-               decode=None, splits=1, pdl=0):
+               decode=None, splits=1, pdl=0, beside=None):
     """The tile kernel over tiles whose block union <= max_union. Prefill: ``prefill`` = (cu_seqlens_q,
     context_lens), the unions built by a launch of their own before the attention's; decode: ``decode`` =
     (seq_lens, decode_query_len), one tile of tq >= decode_query_len rows per request, its union split over
-    ``splits`` programs that each build it, chained by dependent launch as ``pdl`` says (PDL_*). Returns, in
-    prefill, which rows the tile kernel computed ([T, Hkv] int8)."""
+    ``splits`` programs that each build it, chained by dependent launch as ``pdl`` says (PDL_*). ``beside``: a
+    stream for the prefill attention launch (forked after the union launch; the caller joins it). Returns, in
+    prefill, which rows the tile kernel computed ([T, Hkv] int8, a view of the scratch the attention launch
+    reads: keep it until the join)."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     batch = block_table.shape[0]
@@ -312,21 +316,48 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     consts = dict(G=group, GP=next_pow2(group), TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N),
                   D=dim, TOPK=topk, TOPK_PAD=topk_pad, K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
                   IS_DECODE=decode is not None, WRITE_OUT=splits == 1, ORDERED=ordered, PDL=pdl)
-    # Prefill: the union launch, then the attention's (the Gluon kernel's where it fits); decode: one launch.
-    launches = [((tiles, kv_heads, 1), dict(consts, BUILD_UNION=True, ATTEND=False, num_warps=UNION_WARPS,
-                                            num_stages=1))] if apart else []
+    # Prefill: the union launch, then the attention's (the Gluon kernel's where it fits), on ``beside`` if given;
+    # decode: one launch.
+    if apart:
+        launch_each(_sparse_attn_tiles_kernel, args, [((tiles, kv_heads, 1), dict(
+            consts, BUILD_UNION=True, ATTEND=False, num_warps=UNION_WARPS, num_stages=1))])
     hopper = _hopper_tiles(q, kv_cache, tq, sc) if apart else None
-    if hopper is None:
-        launches.append(((tiles, kv_heads, splits), dict(consts, BUILD_UNION=not apart, ATTEND=True,
-                                                         num_warps=TILE_WARPS,
-                                                         num_stages=1 if dot_f32 else TILE_STAGES,
-                                                         launch_pdl=pdl > 0)))
-    launch_each(_sparse_attn_tiles_kernel, args, launches)
-    if hopper is not None:
-        hopper(q, kv_cache, union, counts, order, tiles, tq, tq * topk_pad, max_union, sc.k_mult, sc.v_val, out,
-               ordered)
+    with _forked(beside):
+        if hopper is not None:
+            hopper(q, kv_cache, union, counts, order, tiles, tq, tq * topk_pad, max_union, sc.k_mult, sc.v_val, out,
+                   ordered)
+        else:
+            launch_each(_sparse_attn_tiles_kernel, args, [((tiles, kv_heads, splits), dict(
+                consts, BUILD_UNION=not apart, ATTEND=True, num_warps=TILE_WARPS,
+                num_stages=1 if dot_f32 else TILE_STAGES, launch_pdl=pdl > 0))])
     _merge_split_partials(m, l, acc, out, splits, pdl)
     return marks
+
+
+@contextlib.contextmanager
+def _forked(stream: torch.cuda.Stream | None):
+    """Launches inside run on ``stream`` after everything the current stream holds so far (None: on the current
+    stream). The caller joins it back (``wait_stream``) before the tensors those launches read are freed."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
+
+
+_BESIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _beside_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream of ``device`` the prefill tile attention runs on beside the KV-block launches (created once): of
+    a higher priority than the default, so that the block scheduler starts the tile programs first and the
+    KV-block launches, which find no row where the tiles took them all, run in the tile kernel's last wave instead
+    of after it (docs/perf-notes.md v41)."""
+    stream = _BESIDE.get(device.index)
+    if stream is None:
+        stream = _BESIDE[device.index] = torch.cuda.Stream(device, priority=-1)
+    return stream
 
 
 def _hopper_tiles(q, kv_cache, tq, sc):
@@ -352,20 +383,25 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
         # Break-even measured on the H200 (docs/perf-notes.md): a tile of 4 rows x 16 ids is cheaper through
         # the tile kernel up to ~44 distinct blocks.
         max_union = tq * topk * 11 // 16
-    tiled = None
-    if block_table.shape[0] and max_query_len:
-        tiles = cdiv(q.shape[0], tq) + block_table.shape[0]  # bounds the tile count whatever the lengths
-        tiled = _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32,
-                           prefill=(cu_seqlens_q, context_lens))
     # The tiles' rows left over (unions over max_union: selections the rows do not share) by KV block, in batches
     # over KV_BLOCK_ABOVE_ROWS where it fits. H200, attention op, ms (per-row kernel -> by KV block): random
     # selections 8k on 120k 1.24 -> 0.71, 32k 3.51 -> 2.52, 128k 16.5 -> 10.2; where the tiles leave no row, ~20 us
     # of kernels and ~0.17 ms of host time (8k on 120k locality, eager and host-bound: 0.40 -> 0.51; perf-notes v21).
     kv_heads = kv_cache.shape[1]
-    if (block_table.shape[0] and q.shape[0] * kv_heads > KV_BLOCK_ABOVE_ROWS
-            and kv_major_fits(q.shape[1] // kv_heads, dot_f32)):
+    kv_block = bool(block_table.shape[0] and q.shape[0] * kv_heads > KV_BLOCK_ABOVE_ROWS
+                    and kv_major_fits(q.shape[1] // kv_heads, dot_f32))
+    # The KV-block launches read only the union launch's row marks, so the tile attention runs beside them.
+    beside = _beside_stream(q.device) if kv_block and q.is_cuda else None
+    tiled = None
+    if block_table.shape[0] and max_query_len:
+        tiles = cdiv(q.shape[0], tq) + block_table.shape[0]  # bounds the tile count whatever the lengths
+        tiled = _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32,
+                           prefill=(cu_seqlens_q, context_lens), beside=beside)
+    if kv_block:
         sparse_attn_kv_major(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, seq_lens, sc, out,
                              tiled, dot_f32)
+        if beside is not None:
+            torch.cuda.current_stream(q.device).wait_stream(beside)
         return out
     return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, 0, sc, out, 1, dot_f32,
                      (cu_seqlens_q, context_lens), tiled)
