@@ -6,9 +6,10 @@ one split, ``_merge_splits_kernel`` combines the partial (max, sum, accumulator)
 Prefill uses the tile kernel of ``sparse_attn_tiles`` (a block loaded once for all the rows of a tile that
 chose it) for tiles of small unions, and the KV-block launches of ``sparse_attn_kv_major`` for the other rows
 (the per-row kernel in small batches, whose eager calls the KV-block launches' host time would dominate, and
-where those do not fit); with the KV-block launches, the tile attention runs beside them on a stream of its own. Speculative decode rows (three or more per request) go through the tile kernel (one
-tile per request, its union split over one wave of programs) once there are about as many requests x KV heads as
-SMs; fewer stay on the per-row kernel, whose short programs hide latency better.
+where those do not fit); beside the KV-block launches, the tile attention runs on a stream of its own.
+Speculative decode rows (three or more per request) go through the tile kernel (one tile per request, its union
+split over one wave of programs) once there are about as many requests x KV heads as SMs; fewer stay on the
+per-row kernel, whose short programs hide latency better.
 """
 from __future__ import annotations
 
