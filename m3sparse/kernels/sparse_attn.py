@@ -153,14 +153,14 @@ TILE_M, TILE_WARPS, TILE_STAGES, TILE_BLOCK_N = 64, 4, 3, 64
 # union / apart on 1 / 2 warps): 128k locality 7.16 / 6.98 / 7.10, overlap 6.33 / 6.11 / 6.35, 32k locality 1.78 /
 # 1.74 / 1.77. Decode keeps one launch: there the extra launch costs more than it saves (32 x 128k x 4 rows).
 UNION_WARPS = 1
-# Prefill tiles of overlapping rows (``tile_order``'s greedy order): (batches of at least this many rows, rows per
-# group), the first that applies; smaller batches keep consecutive rows. The order's greedy steps are sequential:
-# its launch takes ~70 us on 128-row groups at 8k-32k rows, ~10 on 32-row groups, which order a little worse
-# (32k locality: 18.3 / 19.0 blocks per 4-row tile, 20.7 consecutive). H200, attention op, ms (consecutive ->
-# 32-row / 128-row groups): 8k locality 0.366 -> 0.351 / 0.403, overlap 0.299 -> 0.302 / 0.367; 32k locality
-# 1.617 -> 1.516 / 1.509, overlap 1.273 -> 1.262 / 1.308; 8k on 120k locality 0.431 -> 0.422 / 0.464; 128k
-# (128-row groups) locality 7.04 -> 6.31, overlap 5.97 -> 5.69 (docs/perf-notes.md v20, v21).
-TILE_ORDER_GROUPS = ((65536, 128), (8192, 32))
+# Prefill tiles of overlapping rows (``tile_order``'s order): (batches of at least this many rows, rows per group),
+# the first that applies; smaller batches keep consecutive rows. Groups of 128 rows sorted by their ids, then greedy
+# in 32-row windows, one warp each: 11-13 us at 8k-32k rows, 28 at 128k (the greedy over whole 128-row groups took
+# 70-90: its 128 steps are sequential). H200, GPU time of order + union launch + tile attention, ms (v41's greedy in
+# 32-row groups from 8k, 128-row from 64k -> this): 32k locality 1.192 -> 1.132, overlap 1.056 -> 0.999, 128k
+# locality 4.712 -> 4.578, overlap 4.489 -> 4.104; graph replays 8k locality 0.290 -> 0.282, 8k on 120k locality
+# 0.325 -> 0.314; 32k random +0.9 % (docs/perf-notes.md v20, v21, v42).
+TILE_ORDER_GROUPS = ((8192, 128),)
 # Decode tiles: at least this many (request, KV head) tiles of at least this many speculative rows each.
 TILE_MIN_DECODE_TILES, TILE_MIN_DECODE_ROWS = 128, 3
 # Decode rows x KV heads below which each row's blocks go in 2k half-block splits (from it: as many splits as fill
@@ -290,7 +290,7 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     cu, ctx = prefill if prefill is not None else (decode[0], decode[0])
     seq_lens, dql = decode if decode is not None else (cu, 0)
     apart = prefill is not None
-    # Tiles of rows in the greedy order from TILE_ORDER_GROUPS' sizes on; smaller batches take consecutive rows,
+    # Tiles of rows in tile_order's order from TILE_ORDER_GROUPS' sizes on; smaller batches take consecutive rows,
     # which the kernels read without an order: a launch less (H200, attention op, graph replays: 1k rows 36.2 ->
     # 35.2 us, 2k on 30k 122.4 -> 121.3, 4k unchanged at ~168; eager host time lower in each paired round).
     order_group = next((g for rows, g in TILE_ORDER_GROUPS if num_tokens >= rows), 0) if apart else 0

@@ -45,35 +45,64 @@ def _tile_rows(r, live, row0, pos0, order_ptr, HKV, g, ORDERED: tl.constexpr):
 
 
 @triton.jit
+def _segment_or(id_a, bits_a, id_b, bits_b):
+    """Scan step over lanes sorted by id: the rows of b's id among both ranges (equal ids are adjacent)."""
+    return id_b, bits_b | tl.where(id_a == id_b, bits_a, 0)
+
+
+@triton.jit
+def _distinct_by_pairs(ids, ok, e, r, one):
+    """(ids, the lanes that hold the first occurrence of a valid id, which tile rows chose each such id as a bit
+    per row) of the tile's N lanes, by comparing every lane with every other: an N x N reduction, the fewer
+    instructions where the attention's program builds its own union on 4 warps (decode)."""
+    same = (ids[None, :] == ids[:, None]) & ok[None, :]
+    earlier = same & (e[None, :] < e[:, None])
+    # 2: an earlier lane of the same row holds the id, 1: only of another row (one reduction for both tests).
+    seen_before = tl.max(tl.where(earlier, 1 + (r[None, :] == r[:, None]).to(tl.int32), 0), axis=1)
+    # Which tile rows chose each id: a sum of distinct powers of two over each row's first occurrence.
+    bit = tl.where(seen_before == 2, 0, one << r.to(one.dtype))
+    rows = tl.sum(tl.where(same, bit[None, :], 0), axis=1)
+    return ids, ok & (seen_before == 0), rows
+
+
+@triton.jit
+def _distinct_by_sort(ids, ok, e, r, one, N: tl.constexpr, TOPK_PAD: tl.constexpr):
+    """``_distinct_by_pairs``'s result, the lanes sorted by (id, lane) with the invalid ones last: equal ids become
+    neighbours, so the rows that chose an id gather in one scan and an id's last lane stands for it. No N x N
+    tensor: 42 registers on one warp against 226, so the union launch keeps 4x as many programs per SM."""
+    key = tl.sort(tl.where(ok, ids.to(tl.int64) * N + e, 2**62))
+    valid = key < 2**62
+    sid = tl.where(valid, key // N, -1).to(tl.int32)
+    srow = ((key % N) // TOPK_PAD).to(one.dtype)
+    _, rows = tl.associative_scan((sid, tl.where(valid, one << srow, 0)), 0, _segment_or)
+    last = (sid != tl.gather(sid, tl.minimum(e + 1, N - 1), 0)) | (e == N - 1)
+    return sid, valid & last, rows
+
+
+@triton.jit
 def _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_row_ptr, width, num_pages, g, row0, nrows, pos0,
                        order_ptr, HKV, TQ: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-                       BS: tl.constexpr, ORDERED: tl.constexpr):
+                       BS: tl.constexpr, ORDERED: tl.constexpr, SORTED: tl.constexpr):
     """Write the distinct valid block ids of a (tile, KV head) to entries[0, :count], their pages (-1 outside
     the cache) to entries[1], and, as a bit per tile row, which rows chose them to entries[2]. The first ones
     are the n_full blocks in the cache that end at or before the tile's earliest row (every row sees all their
     keys), and the first n_all of those every row of the tile chose; return (count, n_all, n_full). Tile rows:
-    ``_tile_rows``."""
+    ``_tile_rows``. SORTED: distinct ids by ``_distinct_by_sort``, else ``_distinct_by_pairs``."""
     N: tl.constexpr = TQ * TOPK_PAD
     e, r, k, live = _tile_lanes(nrows, N, TOPK_PAD, TOPK)
     t, pos = _tile_rows(r, live, row0, pos0, order_ptr, HKV, g, ORDERED)
     ids = tl.load(ids_ptr + g * id_sh + t * id_st + k * id_sk, mask=live, other=-1)
     ok = live & (pos >= 0) & (ids >= 0) & (ids <= pos // BS) & (ids < width)
     ids = tl.where(ok, ids, -1)
-    same = (ids[None, :] == ids[:, None]) & ok[None, :]
-    earlier = same & (e[None, :] < e[:, None])
-    # 2: an earlier lane of the same row holds the id, 1: only of another row (one reduction for both tests).
-    seen_before = tl.max(tl.where(earlier, 1 + (r[None, :] == r[:, None]).to(tl.int32), 0), axis=1)
-    dup = seen_before > 0
-    # Which tile rows chose each id: a sum of distinct powers of two over each row's first occurrence.
-    dup_in_row = seen_before == 2
-    # In int32 when the tile's rows fit: the [N, N] sum is the prologue's largest reduction.
+    # In int32 when the tile's rows fit: the bits of the rows that chose an id.
     if TQ < 32:
         one = tl.full([N], 1, tl.int32)
     else:
         one = tl.full([N], 1, tl.int64)
-    bit = tl.where(dup_in_row, 0, one << r.to(one.dtype))
-    rows = tl.sum(tl.where(same, bit[None, :], 0), axis=1)
-    keep = ok & ~dup
+    if SORTED:
+        ids, keep, rows = _distinct_by_sort(ids, ok, e, r, one, N, TOPK_PAD)
+    else:
+        ids, keep, rows = _distinct_by_pairs(ids, ok, e, r, one)
     page = tl.load(bt_row_ptr + ids, mask=keep, other=-1)
     page = tl.where((page >= 0) & (page < num_pages), page, -1)
     first = tl.min(tl.where(live, pos, 2**31 - 1), axis=0)
@@ -235,7 +264,7 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
             entries = union_ptr + (tile_id * SPLITS + (split if ATTEND else 0)) * 3 * N
             count, n_all, n_full = _store_block_union(entries, ids_ptr, id_sh, id_st, id_sk, bt_ptr + b * bt_sb,
                                                       width, num_pages, g, row0, nrows, pos0, order_ptr, HKV, TQ,
-                                                      TOPK, TOPK_PAD, BS, ORDERED)
+                                                      TOPK, TOPK_PAD, BS, ORDERED, not ATTEND)
             if ATTEND:
                 tl.debug_barrier()  # every thread's entries are visible to the whole program before they are read
             else:
