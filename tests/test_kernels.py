@@ -533,14 +533,23 @@ def test_union_launch_records_each_tile(target, monkeypatch):
     """The prefill union launch's per-tile record [7, tiles, Hkv]: union size (distinct valid ids of the rows the
     tile order put in the tile's slots), n_all <= n_full <= size, and the tile's first slot, rows left in its
     request, position - row index and its request's last position, which the Gluon attention launch reads
-    instead of locating its tile; -1 as the size on the grid's tail."""
+    instead of locating its tile; -1 as the size on the grid's tail. Its entries, from ids with junk (negative,
+    past the table, huge, repeated in a row): each distinct valid id once, its page (-1 where the table holds
+    none), the bits of the tile rows that chose it, and first the blocks every row chose and sees whole, then the
+    others every row sees whole, then the rest."""
     from m3sparse.kernels import sparse_attn
+    from m3sparse.kernels.common import ids_pad
     monkeypatch.setattr(sparse_attn, "TILE_ORDER_GROUPS", ((0, 32),))
     spec = dict(requests=[(37, 29), (0, 45), (70, 3)], heads=4, kv_heads=2, block_size=16)
     if target == "cuda":
         spec = dict(requests=[(3000, 301), (0, 130), (127, 5)], heads=16, kv_heads=1, block_size=128)
     batch = make_batch(**spec, q_dtype=act_dtype(target), kv_dtype=torch.float16, seed=11, device=device_of(target))
-    ids = batch.index_prefill(impl=reference, topk=4)
+    ids = batch.index_prefill(impl=reference, topk=4).cpu()
+    gen = torch.Generator().manual_seed(5)
+    junk = torch.tensor([-5, batch.block_table.shape[1], 10**6, 2**31 - 1])
+    junk = junk[torch.randint(0, 4, ids.shape, generator=gen)]
+    pick = torch.rand(ids.shape, generator=gen)
+    ids = torch.where(pick < 0.1, junk, torch.where(pick < 0.2, ids[..., :1], ids)).int().to(device_of(target))
     launches = []
     launch_each = sparse_attn.launch_each
     monkeypatch.setattr(sparse_attn, "launch_each", lambda k, a, ls: (launches.append((a, ls)), launch_each(k, a, ls)))
@@ -552,20 +561,31 @@ def test_union_launch_records_each_tile(target, monkeypatch):
     tq = ls[0][1]["TQ"]
     record = args[16][:7 * tiles * kv_heads].view(7, tiles, kv_heads).cpu()
     order = args[18][:ids.shape[1] * kv_heads].view(-1, kv_heads).cpu()
-    bs, width = batch.block_size, batch.block_table.shape[1]
+    n = tq * ids_pad(ids.shape[2])
+    union = args[15][:tiles * kv_heads * 3 * n].view(tiles, kv_heads, 3, n).cpu()
+    bs, width, pages = batch.block_size, batch.block_table.shape[1], batch.kv_cache.shape[0]
+    ids, table = ids.cpu(), batch.block_table.cpu()
     i = row0 = 0
-    for req in batch.requests:
+    for b, req in enumerate(batch.requests):
         for before in range(0, req.query_len, tq):
             slots = range(row0 + before, row0 + min(before + tq, req.query_len))
             for g in range(kv_heads):
                 rows = [int(order[s, g]) for s in slots]
-                chosen = {int(x) for t in rows for x in ids[g, t].tolist()
-                          if 0 <= x <= batch.rows[t][1] // bs and x < width}
+                chose = [{int(x) for x in ids[g, t].tolist() if 0 <= x <= batch.rows[t][1] // bs and x < width}
+                         for t in rows]
+                chosen = set().union(*chose)
                 size, n_all, n_full, first_slot, left, pos0, last = record[:, i, g].tolist()
                 assert (size, first_slot, left, pos0, last) == (len(chosen), row0 + before, req.query_len - before,
                                                                 req.context_len - row0,
                                                                 req.context_len + req.query_len - 1)
                 assert 0 <= n_all <= n_full <= size
+                assert sorted(union[i, g, 0, :size].tolist()) == sorted(chosen)
+                first_pos = min(batch.rows[t][1] for t in rows)
+                for u, (blk, page, bits) in enumerate(union[i, g, :, :size].t().tolist()):
+                    assert page == (int(table[b, blk]) if 0 <= table[b, blk] < pages else -1)
+                    assert bits == sum(1 << j for j, c in enumerate(chose) if blk in c)
+                    full = page >= 0 and blk * bs + bs - 1 <= first_pos
+                    assert (u < n_all, u < n_full) == (full and bits == 2 ** len(rows) - 1, full)
             i += 1
         row0 += req.query_len
     assert i < tiles and (record[0, i:] == -1).all()
