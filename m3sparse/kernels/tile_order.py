@@ -13,7 +13,7 @@ tile stays inside one group), in two steps:
 The greedy steps are sequential, so a window is one warp's 32 lanes and the windows run side by side. Blocks per
 tile on the bench's 32k locality ids (last 8k rows): consecutive 20.1, greedy in 32-row groups 18.8, greedy in
 128-row groups 18.1, sorted 128-row groups 18.4, and sorted 128-row groups with greedy 32-row windows 18.1, the last
-for a launch 5x shorter than the 128-row greedy's (docs/perf-notes.md v20, v21, v42). The caller picks GROUP
+for a launch 3-5x shorter than the 128-row greedy's (docs/perf-notes.md v20, v21, v42). The caller picks GROUP
 (sparse_attn.TILE_ORDER_GROUPS).
 
 Overlaps are counted on a 32-bit Bloom signature of each row's ids (one bit per id, by a multiplicative hash):
