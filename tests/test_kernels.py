@@ -702,6 +702,37 @@ def test_prefill_rows_by_kv_block(target, kv_dtype, scale_kind, pass_rows, monke
     assert (out[-pad:] == 0).all()
 
 
+@pytest.mark.parametrize("chunk, long_chunk, long_pairs", [(1, 1, 0), (2, 5, 50)])
+def test_prefill_kv_block_chunk_sizes(target, chunk, long_chunk, long_pairs, monkeypatch):
+    """Buckets cut into chunks of one pair, or of 2 and 5 pairs: passes of 7 rows x 2 KV heads x 4 ids (56 pairs)
+    take LONG_PASS_CHUNK from 50 pairs on, the batch's last pass (one row) CHUNK, so buckets hold several chunks of
+    both sizes. The launches take the chunk the rule gives; the output (poisoned first) matches the reference."""
+    from m3sparse.kernels import sparse_attn, sparse_attn_kv_major
+    from m3sparse.kernels.sparse_attn import sparse_attn_prefill
+    monkeypatch.setattr(sparse_attn, "_row_attn", None)
+    monkeypatch.setattr(sparse_attn, "KV_BLOCK_ABOVE_ROWS", 0)
+    monkeypatch.setattr(sparse_attn_kv_major, "CHUNK", chunk)
+    monkeypatch.setattr(sparse_attn_kv_major, "LONG_PASS_CHUNK", long_chunk)
+    monkeypatch.setattr(sparse_attn_kv_major, "LONG_PASS_PAIRS", long_pairs)
+    chunks = []
+    launch = sparse_attn_kv_major.launch
+    monkeypatch.setattr(sparse_attn_kv_major, "launch", lambda kernel, grid, *a, **meta: (
+        chunks.append(meta["CHUNK"]) if kernel is sparse_attn_kv_major._pair_rank_kernel else None,
+        launch(kernel, grid, *a, **meta))[1])
+    dtype = act_dtype(target) if target == "cuda" else torch.float16  # 16-bit dots on the GPU (kv_major_fits)
+    batch = make_batch(requests=[(37, 29), (0, 45), (70, 3), (5, 1)], heads=8, kv_heads=2, block_size=16,
+                       q_dtype=act_dtype(target), kv_dtype=dtype, seed=8, device=device_of(target))
+    monkeypatch.setattr(sparse_attn_kv_major, "PASS_BYTES", 7 * 4 * batch.q.shape[1] * batch.q.shape[2] *
+                        batch.q.element_size())
+    ids = batch.index_prefill(impl=reference, topk=4)
+    out = torch.full_like(batch.q, float("nan"))
+    sparse_attn_prefill(batch.q, batch.kv_cache, ids, batch.block_table, **batch.prefill_meta(), scale=128 ** -0.5,
+                        out=out, k_scale=batch.k_scale, v_scale=batch.v_scale, max_union=0)
+    assert chunks == [long_chunk] * 11 + [chunk if long_pairs > 8 else long_chunk]  # 78 rows: 11 x 7, then 1
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    assert rel_err(out, batch.attn_prefill(ids, impl=reference)) <= attn_tol(target, dtype)
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(requests=st.lists(st.tuples(st.integers(0, 70), st.integers(1, 40)), min_size=1, max_size=3),
        group=st.sampled_from([1, 2, 3, 8]), kv_heads=st.integers(1, 2), topk=st.integers(1, 5),
