@@ -702,18 +702,15 @@ def test_prefill_rows_by_kv_block(target, kv_dtype, scale_kind, pass_rows, monke
     assert (out[-pad:] == 0).all()
 
 
-@pytest.mark.parametrize("chunk, long_chunk, long_pairs", [(1, 1, 0), (2, 5, 50)])
-def test_prefill_kv_block_chunk_sizes(target, chunk, long_chunk, long_pairs, monkeypatch):
-    """Buckets cut into chunks of one pair, or of 2 and 5 pairs: passes of 7 rows x 2 KV heads x 4 ids (56 pairs)
-    take LONG_PASS_CHUNK from 50 pairs on, the batch's last pass (one row) CHUNK, so buckets hold several chunks of
-    both sizes. The launches take the chunk the rule gives; the output (poisoned first) matches the reference."""
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_prefill_kv_block_chunks_split_buckets(target, chunk, monkeypatch):
+    """Buckets cut into many chunks (CHUNK 1 or 3 pairs: full chunks and a short last one per bucket), in passes of 7
+    rows and a last pass of one: the launches take CHUNK, and the output (poisoned first) matches the reference."""
     from m3sparse.kernels import sparse_attn, sparse_attn_kv_major
     from m3sparse.kernels.sparse_attn import sparse_attn_prefill
     monkeypatch.setattr(sparse_attn, "_row_attn", None)
     monkeypatch.setattr(sparse_attn, "KV_BLOCK_ABOVE_ROWS", 0)
     monkeypatch.setattr(sparse_attn_kv_major, "CHUNK", chunk)
-    monkeypatch.setattr(sparse_attn_kv_major, "LONG_PASS_CHUNK", long_chunk)
-    monkeypatch.setattr(sparse_attn_kv_major, "LONG_PASS_PAIRS", long_pairs)
     chunks = []
     launch = sparse_attn_kv_major.launch
     monkeypatch.setattr(sparse_attn_kv_major, "launch", lambda kernel, grid, *a, **meta: (
@@ -728,7 +725,7 @@ def test_prefill_kv_block_chunk_sizes(target, chunk, long_chunk, long_pairs, mon
     out = torch.full_like(batch.q, float("nan"))
     sparse_attn_prefill(batch.q, batch.kv_cache, ids, batch.block_table, **batch.prefill_meta(), scale=128 ** -0.5,
                         out=out, k_scale=batch.k_scale, v_scale=batch.v_scale, max_union=0)
-    assert chunks == [long_chunk] * 11 + [chunk if long_pairs > 8 else long_chunk]  # 78 rows: 11 x 7, then 1
+    assert chunks == [chunk] * 12  # 78 rows: 11 passes of 7, then 1
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
     assert rel_err(out, batch.attn_prefill(ids, impl=reference)) <= attn_tol(target, dtype)
 

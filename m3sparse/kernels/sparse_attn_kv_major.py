@@ -1,14 +1,14 @@
 """Prefill attention by KV block, for the rows whose tiles the tile kernel leaves: each block a request's rows
 selected is loaded once for all of them, and each row's 16 single-block results are merged afterwards.
 
-The tile kernel wins where a tile's rows share their blocks; rows with unrelated selections (uniformly random ones:
-4 rows hold ~61 distinct blocks) leave it nothing to share, and the per-row kernel reloads every selected block for
-every row (8k on a 120k prefix: 8.6 GB of L2 traffic, 1.2 ms on the H200). Here the (row, block) pairs are bucketed
-by (KV head, request, block, whether it is the row's own block: only those chunks mask keys per row) and cut into
-chunks of CHUNK pairs (LONG_PASS_CHUNK in passes of many pairs); a program loads its chunk's block once and computes
-the softmax of TQ rows x all query heads of the KV head per dot against it. What that costs instead: each pair's
-normalized output ([H, D] in the query dtype) and log-sum-exp go to memory and are read back by the merge (8k on
-120k random: 0.70 ms for all of it; docs/perf-notes.md v21).
+The tile kernel wins where a tile's rows share their blocks; rows with unrelated selections (uniformly random
+ones: 4 rows hold ~61 distinct blocks) leave it nothing to share, and the per-row kernel reloads every selected
+block for every row (8k on a 120k prefix: 8.6 GB of L2 traffic, 1.2 ms on the H200). Here the (row, block)
+pairs are bucketed by (KV head, request, block, whether it is the row's own block: only those chunks mask keys
+per row) and cut into chunks of CHUNK pairs; a program loads its chunk's block once and computes the softmax of TQ
+rows x all query heads of the KV head per dot against it. What that costs instead: each pair's normalized output
+([H, D] in the query dtype) and log-sum-exp go to memory and are read back by the merge (8k on 120k random: 0.70 ms
+for all of it; docs/perf-notes.md v21).
 
 Launches, all sync-free (buffers sized by the pair count's bound, Hkv x rows x k):
 1. ``_pair_rank_kernel``: each valid pair (a row's first occurrence of an id in the cache and at or before its
@@ -30,10 +30,9 @@ from .launch import launch
 from .online_softmax import attend_keys, softmax_multipliers
 from .rows import locate_prefill, prefill_request_rows
 
-# Pairs per chunk (one program loads the chunk's block once for all of them), by the pairs a pass may hold: H200,
-# random selections, attention op, ms, chunks of 64 / 128 / 256 pairs: 8k on a 120k prefix 0.661 / 0.691 / 0.751,
-# 128k 9.89 / 9.80 / 9.56; 32k and 4 x 8k within their spread (docs/perf-notes.md v21, v44).
-CHUNK, LONG_PASS_CHUNK, LONG_PASS_PAIRS = 64, 256, 1 << 18
+# Pairs per chunk: H200, 8k on a 120k prefix, random selections (the whole op, ms): chunks of 64 / 128 / 256 pairs
+# 0.637 / 0.687 / 0.713; at 128k 9.19 / 9.03 / 8.93.
+CHUNK = 64
 # The pair outputs of a launch pass at most: 32k rows of 16 heads x 128 x 16 pairs in 16 bits (each pass costs
 # ~20 us of launches even where the tiles leave no row).
 PASS_BYTES = 2 << 30
@@ -268,8 +267,7 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
         r1 = min(num_tokens, r0 + rows_per_pass)
         rows = r1 - r0
         max_pairs = kv_heads * rows * topk
-        chunk = LONG_PASS_CHUNK if max_pairs >= LONG_PASS_PAIRS else CHUNK
-        max_chunks = max_pairs // chunk + min(nb, max_pairs)
+        max_chunks = max_pairs // CHUNK + min(nb, max_pairs)
         counts = torch.zeros(2, nb, dtype=torch.int32, device=q.device)
         # One allocation (host time per call) for the ranks, pair list, chunk table and the pairs' log-sum-exps.
         ints = torch.empty(2 * max_pairs + 3 * max_chunks + rows * topk * num_heads, dtype=torch.int32,
@@ -284,7 +282,7 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
         grid = (cdiv(r1, RANK_ROWS) + batch - i0, kv_heads)
         select = (topk_ids, *topk_ids.stride(), cu_seqlens_q, context_lens, mark_arg, batch, kv_heads, width, r0, r1,
                   i0)
-        shape = dict(R=RANK_ROWS, BS=bs, TOPK=topk, TOPK_PAD=ids_pad(topk), CHUNK=chunk, MARKED=marked)
+        shape = dict(R=RANK_ROWS, BS=bs, TOPK=topk, TOPK_PAD=ids_pad(topk), CHUNK=CHUNK, MARKED=marked)
         launch(_pair_rank_kernel, grid, *select, counts, rank, nb, **shape, num_warps=4)
         cum = torch.cumsum(counts, 1, dtype=torch.int32)
         launch(_pair_fill_kernel, grid, *select, counts, cum, rank, pairs, table, max_chunks, nb, **shape,
