@@ -704,8 +704,8 @@ def test_prefill_rows_by_kv_block(target, kv_dtype, scale_kind, pass_rows, monke
 
 @pytest.mark.parametrize("chunk", [1, 3])
 def test_prefill_kv_block_chunks_split_buckets(target, chunk, monkeypatch):
-    """Buckets cut into many chunks (CHUNK 1 or 3 pairs: full chunks and a short last one per bucket), in passes of 7
-    rows and a last pass of one: the launches take CHUNK, and the output (poisoned first) matches the reference."""
+    """Buckets cut into several chunks (CHUNK 1 or 3 pairs; with 3 a bucket's last chunk may be short), in passes of
+    7 rows and a last pass of one: the launches take CHUNK, and the output (poisoned first) matches the reference."""
     from m3sparse.kernels import sparse_attn, sparse_attn_kv_major
     from m3sparse.kernels.sparse_attn import sparse_attn_prefill
     monkeypatch.setattr(sparse_attn, "_row_attn", None)
