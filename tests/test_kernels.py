@@ -956,6 +956,64 @@ def test_hopper_tile_attention_matches_reference(dtype, heads, kv_heads, max_uni
     assert rel_err(outs[0], batch.attn_prefill(ids, impl=reference, scale=scale)) <= attn_tol("cuda", dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, heads, kv_heads, chunk, pass_rows, junk, scale", [
+    (torch.bfloat16, 16, 1, 64, None, False, 128 ** -0.5), (torch.float16, 16, 1, 3, 1000, True, 128 ** -0.5),
+    (torch.bfloat16, 64, 4, 5, None, True, 128 ** -0.5), (torch.float16, 8, 1, 64, 3000, True, 128 ** -0.5),
+    (torch.bfloat16, 32, 1, 7, None, False, 4.0), (torch.bfloat16, 64, 1, 64, None, True, 1e-3)])
+def test_hopper_kv_block_attention_matches_reference(dtype, heads, kv_heads, chunk, pass_rows, junk, scale,
+                                                     monkeypatch):
+    """The Gluon KV-block attention (16-bit queries and cache of one dtype, sm_90) on every row (max_union 0):
+    head groups of 8-64 (8 down to 1 pairs a step), buckets cut into chunks whose last step is short (CHUNK 3, 5,
+    7), launch passes, chunks on cached prefixes and across block edges (own blocks: causal), NaN in every unwritten
+    cache slot, padding rows past cu_seqlens_q[-1] (output 0), launched twice (the same output); against the
+    reference and the Triton KV-block kernel, output poisoned first. The test fails if the Gluon kernel did not
+    run. With junk: a share of the ids replaced by noise and blocks whose pages lie outside the cache (no keys; their
+    V rows zeroed), one of them a request's last block."""
+    if not (torch.cuda.get_device_capability() == (9, 0) and triton.__version__.startswith("3.6.")):
+        pytest.skip("the Gluon KV-block attention runs on sm_90 with Triton 3.6")
+    from m3sparse.kernels import sparse_attn, sparse_attn_kv_major, sparse_attn_kv_major_gluon
+    from m3sparse.kernels.sparse_attn import sparse_attn_prefill
+    monkeypatch.setattr(sparse_attn, "_row_attn", None)
+    monkeypatch.setattr(sparse_attn, "KV_BLOCK_ABOVE_ROWS", 0)
+    monkeypatch.setattr(sparse_attn_kv_major, "CHUNK", chunk)
+    calls = []
+    launch_hopper = sparse_attn_kv_major_gluon.kv_block_attn_hopper
+    monkeypatch.setattr(sparse_attn_kv_major_gluon, "kv_block_attn_hopper",
+                        lambda *a: (calls.append(a[9]), launch_hopper(*a))[1])
+    batch = make_batch(requests=[(9000, 700), (0, 2100), (3000, 5), (127, 130)], heads=heads, kv_heads=kv_heads,
+                       block_size=128, q_dtype=dtype, kv_dtype=dtype, index_dtype=torch.bfloat16,
+                       seed=heads + chunk, device="cuda")
+    ids = batch.index_prefill(impl=reference)
+    if pass_rows:
+        monkeypatch.setattr(sparse_attn_kv_major, "PASS_BYTES", pass_rows * ids.shape[2] * heads * 128 * 2)
+    if junk:
+        ids = noisy_ids(ids, 0.2, batch.block_table.shape[1] + 3, seed=heads)
+        batch.block_table[0, 3] = -1
+        batch.block_table[1, 2] = batch.kv_cache.shape[0] + 3
+        batch.block_table[1, 2100 // 128] = -1  # the last block of request 1
+    pad = 5
+    q = torch.cat([batch.q, torch.randn_like(batch.q[:pad])])
+    ids_padded = torch.cat([ids, torch.randint(-9, 99, (ids.shape[0], pad, ids.shape[2]), dtype=ids.dtype,
+                                               device="cuda")], 1)
+
+    def run():
+        out = torch.full_like(q, float("nan"))
+        sparse_attn_prefill(q, batch.kv_cache, ids_padded, batch.block_table, **batch.prefill_meta(), scale=scale,
+                            out=out, k_scale=None, v_scale=None, max_union=0)
+        return out
+
+    outs = [run(), run()]  # the second launch takes launch()'s cached path
+    assert calls == 2 * list(range(0, q.shape[0], pass_rows or q.shape[0])), "the Gluon kernel did not run every pass"
+    assert torch.isfinite(outs[0]).all(), "unwritten or non-finite output"
+    assert torch.equal(outs[0], outs[1])
+    assert (outs[0][-pad:] == 0).all()
+    ref = batch.attn_prefill(ids, impl=reference, scale=scale)
+    assert rel_err(outs[0][:-pad], ref) <= attn_tol("cuda", dtype)
+    monkeypatch.setattr(sparse_attn_kv_major, "_hopper_kv_block", lambda *a: None)
+    assert rel_err(outs[0], run()) <= attn_tol("cuda", dtype)
+
+
 # --------------------------------------------------------------------------------------- attention
 @pytest.mark.parametrize("name", list(SMALL_CASES) + list(GPU_CASES))
 @pytest.mark.parametrize("kv_dtype, layout, scale_kind", [

@@ -40,6 +40,17 @@ PASS_BYTES = 2 << 30
 RANK_ROWS = 16
 
 
+def _hopper_kv_block(q, kv_cache, sc):
+    """The Gluon launcher of the KV-block attention (``sparse_attn_kv_major_gluon``) when it fits this launch, else
+    None. Gluon is imported on first use, on the Triton release the kernel was written and verified for."""
+    if not q.is_cuda or interpreting() or not triton.__version__.startswith("3.6."):
+        return None
+    from . import sparse_attn_kv_major_gluon as gluon_kv_block
+    if not gluon_kv_block.gluon_kv_block_fits(q, kv_cache, sc.k_mode, sc.v_mode):
+        return None
+    return gluon_kv_block.kv_block_attn_hopper
+
+
 def kv_major_fits(group: int, dot_f32: bool) -> bool:
     """Whether this launch can take a batch: TQ rows x the padded head group <= 64 lanes per dot, and 16-bit dots
     on a GPU (fp32 operands of a whole block would not fit in shared memory; the interpreter has no such limit)."""
@@ -262,6 +273,7 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
     nb = max(1, 2 * kv_heads * batch * width)  # two buckets per (KV head, request, block): own rows, others
     rows_per_pass = max(1, PASS_BYTES // (topk * num_heads * dim * q.element_size()))
     marked = marks is not None
+    hopper = _hopper_kv_block(q, kv_cache, sc)
     mark_arg = marks if marked else topk_ids
     for r0 in range(0, num_tokens, rows_per_pass):
         r1 = min(num_tokens, r0 + rows_per_pass)
@@ -287,11 +299,15 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
         cum = torch.cumsum(counts, 1, dtype=torch.int32)
         launch(_pair_fill_kernel, grid, *select, counts, cum, rank, pairs, table, max_chunks, nb, **shape,
                num_warps=4)
-        launch(_kv_major_attn_kernel, (max_chunks,), q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3],
-               block_table, block_table.stride(0), num_pages, cu_seqlens_q, context_lens, seq_lens, batch, width, r0,
-               table, max_chunks, cum, nb, pairs, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, part_o,
-               part_lse, num_heads, G=group, GP=gp, TQ=tq, BS=bs, D=dim, TOPK=topk, K_SCALE=sc.k_mode,
-               V_SCALE=sc.v_mode, DOT_F32=dot_f32, num_warps=4, num_stages=1)
+        if hopper is not None:
+            hopper(q, kv_cache, block_table, num_pages, cu_seqlens_q, context_lens, seq_lens, batch, width, r0, table,
+                   max_chunks, cum, nb, pairs, sc.k_mult, sc.v_val, part_o, part_lse)
+        else:
+            launch(_kv_major_attn_kernel, (max_chunks,), q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3],
+                   block_table, block_table.stride(0), num_pages, cu_seqlens_q, context_lens, seq_lens, batch, width, r0,
+                   table, max_chunks, cum, nb, pairs, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, part_o,
+                   part_lse, num_heads, G=group, GP=gp, TQ=tq, BS=bs, D=dim, TOPK=topk, K_SCALE=sc.k_mode,
+                   V_SCALE=sc.v_mode, DOT_F32=dot_f32, num_warps=4, num_stages=1)
         launch(_merge_pairs_kernel, (rows, kv_heads), part_o, part_lse, rank, mark_arg, cu_seqlens_q, batch, r0,
                rows, kv_heads, out, *out.stride()[:2], num_heads, G=group, GP=gp, TOPK=topk, TOPK_PAD=ids_pad(topk),
                D=dim, MARKED=marked, num_warps=4)
