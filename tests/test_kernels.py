@@ -725,9 +725,7 @@ def test_prefill_kv_block_chunks_split_buckets(target, chunk, monkeypatch):
     out = torch.full_like(batch.q, float("nan"))
     sparse_attn_prefill(batch.q, batch.kv_cache, ids, batch.block_table, **batch.prefill_meta(), scale=128 ** -0.5,
                         out=out, k_scale=batch.k_scale, v_scale=batch.v_scale, max_union=0)
-    rows_per_pass, _ = sparse_attn_kv_major.launch_passes(batch.q, 4)
-    assert rows_per_pass == (4 if target == "cuda" else 7)  # the GPU merges beside the next pass: half the rows
-    assert chunks == [chunk] * len(range(0, 78, rows_per_pass))
+    assert chunks == [chunk] * 12  # 78 rows: 11 passes of 7, then 1
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
     assert rel_err(out, batch.attn_prefill(ids, impl=reference)) <= attn_tol(target, dtype)
 
@@ -801,22 +799,14 @@ def test_prefill_tiles_and_kv_block_rows_mixed(target, tiles_take, pass_rows, mo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pass_rows", [None, 1500])
-def test_prefill_tiles_beside_kv_blocks_replay_in_a_cuda_graph(pass_rows, monkeypatch):
+def test_prefill_tiles_beside_kv_blocks_replay_in_a_cuda_graph(monkeypatch):
     """A prefill whose tile attention runs on a stream beside the KV-block launches (each takes some of the rows),
-    captured in a CUDA graph: every replay, on new queries, matches the reference, and so does the eager call. In
-    passes (1500 rows), each pass's merge runs on a stream of its own beside the next pass's launches."""
-    from m3sparse.kernels import sparse_attn, sparse_attn_kv_major
+    captured in a CUDA graph: every replay, on new queries, matches the reference, and so does the eager call."""
+    from m3sparse.kernels import sparse_attn
     from m3sparse.kernels.sparse_attn import sparse_attn_prefill
     forks = []
     beside = sparse_attn._beside_stream
     monkeypatch.setattr(sparse_attn, "_beside_stream", lambda device: (forks.append(device), beside(device))[1])
-    merge_forks = []
-    merge_stream = sparse_attn_kv_major._merge_stream
-    monkeypatch.setattr(sparse_attn_kv_major, "_merge_stream",
-                        lambda device: (merge_forks.append(device), merge_stream(device))[1])
-    if pass_rows:
-        monkeypatch.setattr(sparse_attn_kv_major, "PASS_BYTES", pass_rows * 16 * 16 * 128 * 2)
     marks = []
     tile_attn = sparse_attn._tile_attn
     monkeypatch.setattr(sparse_attn, "_tile_attn", lambda *a, **kw: (marks.append(tile_attn(*a, **kw)), marks[-1])[1])
@@ -838,7 +828,6 @@ def test_prefill_tiles_beside_kv_blocks_replay_in_a_cuda_graph(pass_rows, monkey
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     assert forks, "the tile attention did not run beside the KV-block launches"
-    assert bool(merge_forks) == bool(pass_rows), "the merges ran beside the passes only where there are passes"
     tiled = (marks[0] != 0).float().mean().item()
     assert 0 < tiled < 1, f"share of rows tiled: {tiled}"
     ref = reference.sparse_attn_prefill(q, batch.kv_cache, ids, batch.block_table, **meta)
@@ -1015,8 +1004,7 @@ def test_hopper_kv_block_attention_matches_reference(dtype, heads, kv_heads, chu
         return out
 
     outs = [run(), run()]  # the second launch takes launch()'s cached path
-    rows_per_pass, _ = sparse_attn_kv_major.launch_passes(q, ids.shape[2])
-    assert calls == 2 * list(range(0, q.shape[0], rows_per_pass)), "the Gluon kernel did not run every pass"
+    assert calls == 2 * list(range(0, q.shape[0], pass_rows or q.shape[0])), "the Gluon kernel did not run every pass"
     assert torch.isfinite(outs[0]).all(), "unwritten or non-finite output"
     assert torch.equal(outs[0], outs[1])
     assert (outs[0][-pad:] == 0).all()

@@ -38,18 +38,6 @@ CHUNK = 64
 PASS_BYTES = 2 << 30
 # Rows per tile of the rank and fill launches.
 RANK_ROWS = 16
-# Batches of more than one pass merge each pass on a stream of their own while the next pass computes, in passes
-# of half the rows (two sets of buffers: the same PASS_BYTES in all).
-MERGE_BESIDE = True
-_MERGE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _merge_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream of ``device`` the KV-block merges of a multi-pass batch run on (created once)."""
-    stream = _MERGE_STREAMS.get(device.index)
-    if stream is None:
-        stream = _MERGE_STREAMS[device.index] = torch.cuda.Stream(device)
-    return stream
 
 
 def _hopper_kv_block(q, kv_cache, sc):
@@ -61,15 +49,6 @@ def _hopper_kv_block(q, kv_cache, sc):
     if not gluon_kv_block.gluon_kv_block_fits(q, kv_cache, sc.k_mode, sc.v_mode):
         return None
     return gluon_kv_block.kv_block_attn_hopper
-
-
-def launch_passes(q: torch.Tensor, topk: int) -> tuple[int, bool]:
-    """(rows per launch pass, whether each pass merges beside the next) of the KV-block launches for queries q [T,
-    H, D] choosing topk blocks each: PASS_BYTES of pair outputs in all."""
-    rows = max(1, PASS_BYTES // (topk * q.shape[1] * q.shape[2] * q.element_size()))
-    if MERGE_BESIDE and q.is_cuda and q.shape[0] > rows:
-        return cdiv(rows, 2), True
-    return rows, False
 
 
 def kv_major_fits(group: int, dot_f32: bool) -> bool:
@@ -292,36 +271,23 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
     gp = next_pow2(group)
     tq = max(1, 64 // gp)
     nb = max(1, 2 * kv_heads * batch * width)  # two buckets per (KV head, request, block): own rows, others
-    rows_per_pass, beside = launch_passes(q, topk)
+    rows_per_pass = max(1, PASS_BYTES // (topk * num_heads * dim * q.element_size()))
     marked = marks is not None
     hopper = _hopper_kv_block(q, kv_cache, sc)
     mark_arg = marks if marked else topk_ids
-    if beside:
-        main, merges = torch.cuda.current_stream(q.device), _merge_stream(q.device)
-    # Buffers for the largest pass, one set per pass in flight, each pass taking views of its share: the ranks,
-    # pair list, chunk table and the pairs' log-sum-exps in one int32 allocation (host time per call), the pairs'
-    # outputs in another.
-    most_rows = min(num_tokens, rows_per_pass)
-    most_pairs = kv_heads * most_rows * topk
-    buffers = [(torch.empty(2 * most_pairs + 3 * (most_pairs // CHUNK + min(nb, most_pairs)) + most_rows * topk *
-                            num_heads, dtype=torch.int32, device=q.device),
-                torch.empty(most_rows, topk, num_heads, dim, dtype=q.dtype, device=q.device))
-               for _ in range(2 if beside else 1)]
-    merged = [None, None]  # per buffer set: the event of the last merge that read it
-    for p, r0 in enumerate(range(0, num_tokens, rows_per_pass)):
+    for r0 in range(0, num_tokens, rows_per_pass):
         r1 = min(num_tokens, r0 + rows_per_pass)
         rows = r1 - r0
         max_pairs = kv_heads * rows * topk
         max_chunks = max_pairs // CHUNK + min(nb, max_pairs)
-        ints, part_o = buffers[p % len(buffers)]
+        counts = torch.zeros(2, nb, dtype=torch.int32, device=q.device)
+        # One allocation (host time per call) for the ranks, pair list, chunk table and the pairs' log-sum-exps.
+        ints = torch.empty(2 * max_pairs + 3 * max_chunks + rows * topk * num_heads, dtype=torch.int32,
+                           device=q.device)
         rank, pairs = ints[:max_pairs], ints[max_pairs:2 * max_pairs]
         table = ints[2 * max_pairs:2 * max_pairs + 3 * max_chunks]
-        part_lse = ints[2 * max_pairs + 3 * max_chunks:2 * max_pairs + 3 * max_chunks + rows * topk * num_heads
-                        ].view(torch.float32)
-        part_o = part_o[:rows]
-        if beside and merged[p % 2] is not None:
-            main.wait_event(merged[p % 2])  # the merge two passes back has read this set
-        counts = torch.zeros(2, nb, dtype=torch.int32, device=q.device)
+        part_lse = ints[2 * max_pairs + 3 * max_chunks:].view(torch.float32)
+        part_o = torch.empty(rows, topk, num_heads, dim, dtype=q.dtype, device=q.device)
         # Tile i of R rows (numbered request by request) starts at a row in [(i - batch) x R, i x R]: the tiles
         # that hold rows of the pass are among r0 // R ... cdiv(r1, R) + batch - 1.
         i0 = r0 // RANK_ROWS
@@ -338,26 +304,10 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
                    max_chunks, cum, nb, pairs, sc.k_mult, sc.v_val, part_o, part_lse)
         else:
             launch(_kv_major_attn_kernel, (max_chunks,), q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3],
-                   block_table, block_table.stride(0), num_pages, cu_seqlens_q, context_lens, seq_lens, batch, width,
-                   r0, table, max_chunks, cum, nb, pairs, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, part_o,
+                   block_table, block_table.stride(0), num_pages, cu_seqlens_q, context_lens, seq_lens, batch, width, r0,
+                   table, max_chunks, cum, nb, pairs, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, part_o,
                    part_lse, num_heads, G=group, GP=gp, TQ=tq, BS=bs, D=dim, TOPK=topk, K_SCALE=sc.k_mode,
                    V_SCALE=sc.v_mode, DOT_F32=dot_f32, num_warps=4, num_stages=1)
-        if beside:
-            merges.wait_stream(main)
-            with torch.cuda.stream(merges):
-                _merge(part_o, part_lse, rank, mark_arg, cu_seqlens_q, batch, r0, rows, kv_heads, out, num_heads,
-                       group, gp, topk, dim, marked)
-            merged[p % 2] = merges.record_event()
-        else:
-            _merge(part_o, part_lse, rank, mark_arg, cu_seqlens_q, batch, r0, rows, kv_heads, out, num_heads, group,
-                   gp, topk, dim, marked)
-    if beside:
-        main.wait_stream(merges)
-
-
-def _merge(part_o, part_lse, rank, mark_arg, cu_seqlens_q, batch, r0, rows, kv_heads, out, num_heads, group, gp,
-           topk, dim, marked) -> None:
-    """The merge launch of a pass (``_merge_pairs_kernel``) on the current stream."""
-    launch(_merge_pairs_kernel, (rows, kv_heads), part_o, part_lse, rank, mark_arg, cu_seqlens_q, batch, r0,
-           rows, kv_heads, out, *out.stride()[:2], num_heads, G=group, GP=gp, TOPK=topk, TOPK_PAD=ids_pad(topk),
-           D=dim, MARKED=marked, num_warps=4)
+        launch(_merge_pairs_kernel, (rows, kv_heads), part_o, part_lse, rank, mark_arg, cu_seqlens_q, batch, r0,
+               rows, kv_heads, out, *out.stride()[:2], num_heads, G=group, GP=gp, TOPK=topk, TOPK_PAD=ids_pad(topk),
+               D=dim, MARKED=marked, num_warps=4)
