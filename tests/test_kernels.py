@@ -1014,6 +1014,28 @@ def test_hopper_kv_block_attention_matches_reference(dtype, heads, kv_heads, chu
     assert rel_err(outs[0], run()) <= attn_tol("cuda", dtype)
 
 
+@pytest.mark.gpu
+def test_hopper_kv_block_attention_takes_each_dtype_in_one_process(monkeypatch):
+    """fp16, then bf16, then fp16 again through the Gluon KV-block attention in one process, shapes otherwise equal:
+    each matches the reference (a launch keyed without the descriptors' dtype ran the first dtype's binary for the
+    second: v45)."""
+    if not (torch.cuda.get_device_capability() == (9, 0) and triton.__version__.startswith("3.6.")):
+        pytest.skip("the Gluon KV-block attention runs on sm_90 with Triton 3.6")
+    from m3sparse.kernels import sparse_attn
+    from m3sparse.kernels.sparse_attn import sparse_attn_prefill
+    monkeypatch.setattr(sparse_attn, "_row_attn", None)
+    monkeypatch.setattr(sparse_attn, "KV_BLOCK_ABOVE_ROWS", 0)
+    for dtype in (torch.float16, torch.bfloat16, torch.float16):
+        batch = make_batch(requests=[(3000, 900), (0, 700)], heads=16, kv_heads=1, block_size=128, q_dtype=dtype,
+                           kv_dtype=dtype, index_dtype=torch.bfloat16, seed=31, device="cuda")
+        ids = batch.index_prefill(impl=reference)
+        out = torch.full_like(batch.q, float("nan"))
+        sparse_attn_prefill(batch.q, batch.kv_cache, ids, batch.block_table, **batch.prefill_meta(),
+                            scale=128 ** -0.5, out=out, k_scale=None, v_scale=None, max_union=0)
+        assert torch.isfinite(out).all(), f"{dtype}: unwritten or non-finite output"
+        assert rel_err(out, batch.attn_prefill(ids, impl=reference)) <= attn_tol("cuda", dtype), dtype
+
+
 # --------------------------------------------------------------------------------------- attention
 @pytest.mark.parametrize("name", list(SMALL_CASES) + list(GPU_CASES))
 @pytest.mark.parametrize("kv_dtype, layout, scale_kind", [

@@ -50,6 +50,31 @@ def test_launch_key_separates_random_ints_triton_compiles_apart(values):
     _assert_key_refines_triton(values)
 
 
+def test_launch_key_separates_tma_descriptors_triton_compiles_apart():
+    """Gluon's TMA descriptors: Triton compiles one kernel per dtype, block shape and shared layout (a key of the
+    descriptor's type alone let a bf16 launch run an fp16 binary); descriptors that differ only in the tensor's shape
+    may share a key."""
+    with pytest.MonkeyPatch.context() as mp:
+        if not torch.cuda.is_available():
+            mp.setenv("TRITON_INTERPRET", "1")  # as in _triton_specialization: gluon's modules on the interpreter
+        hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+        from triton.experimental.gluon import language as gl
+
+    def descriptor(dtype, block, rows=64, swizzle=None):
+        t = torch.empty(rows, 128, dtype=dtype)
+        layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16
+                                                      else gl.float16)
+        if swizzle is not None:
+            layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=2)
+        return hopper.TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
+
+    args = [descriptor(torch.bfloat16, (16, 128)), descriptor(torch.float16, (16, 128)),
+            descriptor(torch.bfloat16, (8, 128)), descriptor(torch.bfloat16, (16, 128), swizzle=64),
+            descriptor(torch.bfloat16, (16, 128), rows=32)]
+    _assert_key_refines_triton(args)
+    assert _bound((args[0],))[0] == _bound((args[4],))[0]
+
+
 def test_launch_enters_the_device_of_its_tensors(monkeypatch):
     """Triton launches on the current device; ``launch_each`` makes its tensors' device current for the launch when
     it is another (a model split over the GPUs of one process), and changes nothing when it is the current one.

@@ -3,8 +3,8 @@
 ``kernel[grid](...)`` binds every argument, builds its specialization key and formats the compile options as a
 string on each call: ~25-40 µs of host time per launch on the H200's host (docs/perf-notes.md v4/v5), which an
 eager prefill pays before its first kernel starts. ``launch`` keys the compiled kernel on what decides Triton's
-specialization (each tensor's dtype and 16-byte alignment; each int's == 1, % 16 == 0 and 32-bit range; the
-type of anything else; the constexprs and launch options) and calls its launcher directly, tensors passed as their
+specialization (each tensor's dtype and 16-byte alignment; each int's == 1, % 16 == 0 and 32-bit range; each TMA
+descriptor's dtype, block shape and layout; the type of anything else; the constexprs and launch options) and calls its launcher directly, tensors passed as their
 addresses, on the device of the tensors. A key seen for the first time, the interpreter and launches with a profiler
 hook set go through the JIT as usual.
 """
@@ -39,6 +39,11 @@ def _bound(args: tuple) -> tuple[tuple, list, int]:
                 device = a.get_device()
             key.append((a.dtype, not address & 15))
             raw.append(address)
+        elif hasattr(a, "block_shape"):
+            # A TMA descriptor (Gluon): Triton compiles one kernel per tensor dtype, block shape and shared layout
+            # (keyed on its type alone, a bf16 launch once ran the binary of an earlier fp16 one: v45).
+            key.append((type(a), a.base.dtype, tuple(a.block_shape), a.layout))
+            raw.append(a)
         else:
             key.append(type(a))
             raw.append(a)
