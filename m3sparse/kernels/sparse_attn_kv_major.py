@@ -15,7 +15,8 @@ Launches, all sync-free (buffers sized by the pair count's bound, Hkv x rows x k
    own block, of a row the tile kernel did not compute) takes a rank in its bucket by an atomic add.
 2. one cumsum of the bucket's pair and chunk counts;
 3. ``_pair_fill_kernel``: the pair list in bucket order, and an entry (bucket, first pair, pairs) per chunk;
-4. ``_kv_major_attn_kernel``: one program per chunk entry;
+4. ``_kv_major_attn_kernel``: one program per chunk entry (on Hopper, for 16-bit caches of the queries' dtype,
+   ``sparse_attn_kv_major_gluon``'s kernel, which does the same with TMA copies);
 5. ``_merge_pairs_kernel``: per (row, KV head), the log-sum-exp merge of the row's pairs into ``out``.
 Batches whose partials would exceed PASS_BYTES run in passes of consecutive rows.
 """
