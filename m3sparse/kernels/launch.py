@@ -4,9 +4,9 @@
 string on each call: ~25-40 µs of host time per launch on the H200's host (docs/perf-notes.md v4/v5), which an
 eager prefill pays before its first kernel starts. ``launch`` keys the compiled kernel on what decides Triton's
 specialization (each tensor's dtype and 16-byte alignment; each int's == 1, % 16 == 0 and 32-bit range; each TMA
-descriptor's dtype, block shape and layout; the type of anything else; the constexprs and launch options) and calls its launcher directly, tensors passed as their
-addresses, on the device of the tensors. A key seen for the first time, the interpreter and launches with a profiler
-hook set go through the JIT as usual.
+descriptor's dtype, block shape and layout; the type of anything else; the constexprs and launch options) and
+calls its launcher directly, tensors passed as their addresses, on the device of the tensors. A key seen for the
+first time, the interpreter and launches with a profiler hook set go through the JIT as usual.
 """
 from __future__ import annotations
 

@@ -305,9 +305,9 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
                    max_chunks, cum, nb, pairs, sc.k_mult, sc.v_val, part_o, part_lse)
         else:
             launch(_kv_major_attn_kernel, (max_chunks,), q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3],
-                   block_table, block_table.stride(0), num_pages, cu_seqlens_q, context_lens, seq_lens, batch, width, r0,
-                   table, max_chunks, cum, nb, pairs, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, part_o,
-                   part_lse, num_heads, G=group, GP=gp, TQ=tq, BS=bs, D=dim, TOPK=topk, K_SCALE=sc.k_mode,
+                   block_table, block_table.stride(0), num_pages, cu_seqlens_q, context_lens, seq_lens, batch, width,
+                   r0, table, max_chunks, cum, nb, pairs, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val,
+                   part_o, part_lse, num_heads, G=group, GP=gp, TQ=tq, BS=bs, D=dim, TOPK=topk, K_SCALE=sc.k_mode,
                    V_SCALE=sc.v_mode, DOT_F32=dot_f32, num_warps=4, num_stages=1)
         launch(_merge_pairs_kernel, (rows, kv_heads), part_o, part_lse, rank, mark_arg, cu_seqlens_q, batch, r0,
                rows, kv_heads, out, *out.stride()[:2], num_heads, G=group, GP=gp, TOPK=topk, TOPK_PAD=ids_pad(topk),
