@@ -909,6 +909,23 @@ def test_tile_kernel_at_tiny_and_large_softmax_scales(target, scale):
     assert rel_err(out, ref) <= attn_tol(target, torch.float16)
 
 
+def hopper_prefill_batch(dtype, heads, kv_heads, seed, junk):
+    """(batch, reference selections) at the Gluon kernels' shapes: block 128, chunks on cached prefixes, a request
+    of 5 rows, one across a block edge, NaN in every unwritten cache slot. With junk: a share of the ids replaced by
+    noise (repeats, negatives, past the row's own block or the table) and blocks whose pages lie outside the cache,
+    one of them request 1's last block."""
+    batch = make_batch(requests=[(9000, 700), (0, 2100), (3000, 5), (127, 130)], heads=heads, kv_heads=kv_heads,
+                       block_size=128, q_dtype=dtype, kv_dtype=dtype, index_dtype=torch.bfloat16, seed=seed,
+                       device="cuda")
+    ids = batch.index_prefill(impl=reference)
+    if junk:
+        ids = noisy_ids(ids, 0.2, batch.block_table.shape[1] + 3, seed=heads)
+        batch.block_table[0, 3] = -1
+        batch.block_table[1, 2] = batch.kv_cache.shape[0] + 3
+        batch.block_table[1, 2100 // 128] = -1
+    return batch, ids
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, heads, kv_heads, max_union, scale", [
     (torch.bfloat16, 16, 1, 10**6, 128 ** -0.5), (torch.float16, 16, 1, 10**6, 128 ** -0.5),
@@ -935,15 +952,7 @@ def test_hopper_tile_attention_matches_reference(dtype, heads, kv_heads, max_uni
     launch_hopper = sparse_attn_tiles_gluon.sparse_attn_tiles_hopper
     monkeypatch.setattr(sparse_attn_tiles_gluon, "sparse_attn_tiles_hopper",
                         lambda *a: (calls.append(a[5]), launch_hopper(*a))[1])
-    batch = make_batch(requests=[(9000, 700), (0, 2100), (3000, 5), (127, 130)], heads=heads, kv_heads=kv_heads,
-                       block_size=128, q_dtype=dtype, kv_dtype=dtype, index_dtype=torch.bfloat16,
-                       seed=heads + max_union % 7, device="cuda")
-    ids = batch.index_prefill(impl=reference)
-    if junk:
-        ids = noisy_ids(ids, 0.2, batch.block_table.shape[1] + 3, seed=heads)
-        batch.block_table[0, 3] = -1
-        batch.block_table[1, 2] = batch.kv_cache.shape[0] + 3
-        batch.block_table[1, 2100 // 128] = -1  # the last block of request 1
+    batch, ids = hopper_prefill_batch(dtype, heads, kv_heads, heads + max_union % 7, junk)
     outs = []
     for _ in range(2):  # the second launch takes launch()'s cached path
         out = torch.full_like(batch.q, float("nan"))
@@ -981,17 +990,9 @@ def test_hopper_kv_block_attention_matches_reference(dtype, heads, kv_heads, chu
     launch_hopper = sparse_attn_kv_major_gluon.kv_block_attn_hopper
     monkeypatch.setattr(sparse_attn_kv_major_gluon, "kv_block_attn_hopper",
                         lambda *a: (calls.append(a[9]), launch_hopper(*a))[1])
-    batch = make_batch(requests=[(9000, 700), (0, 2100), (3000, 5), (127, 130)], heads=heads, kv_heads=kv_heads,
-                       block_size=128, q_dtype=dtype, kv_dtype=dtype, index_dtype=torch.bfloat16,
-                       seed=heads + chunk, device="cuda")
-    ids = batch.index_prefill(impl=reference)
+    batch, ids = hopper_prefill_batch(dtype, heads, kv_heads, heads + chunk, junk)
     if pass_rows:
         monkeypatch.setattr(sparse_attn_kv_major, "PASS_BYTES", pass_rows * ids.shape[2] * heads * 128 * 2)
-    if junk:
-        ids = noisy_ids(ids, 0.2, batch.block_table.shape[1] + 3, seed=heads)
-        batch.block_table[0, 3] = -1
-        batch.block_table[1, 2] = batch.kv_cache.shape[0] + 3
-        batch.block_table[1, 2100 // 128] = -1  # the last block of request 1
     pad = 5
     q = torch.cat([batch.q, torch.randn_like(batch.q[:pad])])
     ids_padded = torch.cat([ids, torch.randint(-9, 99, (ids.shape[0], pad, ids.shape[2]), dtype=ids.dtype,
