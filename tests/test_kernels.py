@@ -730,76 +730,20 @@ def test_prefill_kv_block_chunks_split_buckets(target, chunk, monkeypatch):
     assert rel_err(out, batch.attn_prefill(ids, impl=reference)) <= attn_tol(target, dtype)
 
 
-def test_prefill_kv_block_chunks_run_window_by_window(target, monkeypatch):
-    """With windows of 5 rows and chunks of 3 pairs, in one pass and in passes of 11 rows: every chunk's pairs lie
-    within 5 rows, the chunk table runs window by window (each chunk's rows after those of every chunk of an earlier
-    window), and the output (poisoned first) matches the reference."""
-    from m3sparse.kernels import sparse_attn, sparse_attn_kv_major
-    from m3sparse.kernels.sparse_attn import sparse_attn_prefill
-    monkeypatch.setattr(sparse_attn, "_row_attn", None)
-    monkeypatch.setattr(sparse_attn, "KV_BLOCK_ABOVE_ROWS", 0)
-    monkeypatch.setattr(sparse_attn_kv_major, "CHUNK", 3)
-    monkeypatch.setattr(sparse_attn_kv_major, "WINDOW_ROWS", 5)
-    monkeypatch.setattr(sparse_attn_kv_major, "_hopper_kv_block", lambda *a: None)  # the table of either kernel
-    tables = []
-    launch = sparse_attn_kv_major.launch
-
-    def record(kernel, grid, *args, **meta):
-        if kernel is sparse_attn_kv_major._kv_major_attn_kernel:
-            arg = dict(zip(kernel.arg_names, args))
-            tables.append({name: arg[name].clone() if torch.is_tensor(arg[name]) else arg[name]
-                           for name in ("table_ptr", "max_chunks", "cum_ptr", "NB", "pair_ptr", "r0")})
-        return launch(kernel, grid, *args, **meta)
-
-    monkeypatch.setattr(sparse_attn_kv_major, "launch", record)
-    dtype = act_dtype(target) if target == "cuda" else torch.float16  # 16-bit dots on the GPU (kv_major_fits)
-    batch = make_batch(requests=[(37, 29), (0, 45), (70, 3)], heads=8, kv_heads=2, block_size=16,
-                       q_dtype=act_dtype(target), kv_dtype=dtype, seed=12, device=device_of(target))
-    ids = batch.index_prefill(impl=reference, topk=4)
-    ref = batch.attn_prefill(ids, impl=reference)
-    for pass_rows in (None, 11):
-        tables.clear()
-        if pass_rows:
-            monkeypatch.setattr(sparse_attn_kv_major, "PASS_BYTES", pass_rows * 4 * batch.q.shape[1] *
-                                batch.q.shape[2] * batch.q.element_size())
-        out = torch.full_like(batch.q, float("nan"))
-        sparse_attn_prefill(batch.q, batch.kv_cache, ids, batch.block_table, **batch.prefill_meta(),
-                            scale=128 ** -0.5, out=out, k_scale=batch.k_scale, v_scale=batch.v_scale, max_union=0)
-        assert torch.isfinite(out).all(), "unwritten or non-finite output"
-        assert rel_err(out, ref) <= attn_tol(target, dtype)
-        assert len(tables) == (1 if pass_rows is None else 7)  # 77 rows
-        for t in tables:
-            table, m, cum, nb, pairs = (t[k] for k in ("table_ptr", "max_chunks", "cum_ptr", "NB", "pair_ptr"))
-            table, cum, pairs = table.cpu(), cum.cpu().flatten(), pairs.cpu()
-            rows_in_pass = min(77 - t["r0"], pass_rows or 77)
-            win = -(-rows_in_pass // -(-rows_in_pass // 5))  # equal windows of at most 5 rows
-            windows = []
-            for c in range(int(cum[2 * nb - 1])):
-                start, n = int(table[m + c]), int(table[2 * m + c])
-                rows = (pairs[start:start + n] // 4).tolist()  # rows relative to the pass
-                assert 1 <= n <= 3 and len({r // win for r in rows}) == 1, "a chunk across windows"
-                windows.append(rows[0] // win)
-            assert windows == sorted(windows), "chunks out of window order"
-            assert windows[-1] > windows[0]
-
-
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(requests=st.lists(st.tuples(st.integers(0, 70), st.integers(1, 40)), min_size=1, max_size=3),
        group=st.sampled_from([1, 2, 3, 8]), kv_heads=st.integers(1, 2), topk=st.integers(1, 5),
-       noise=st.sampled_from([0.0, 0.2, 0.6]), pass_rows=st.sampled_from([None, 5, 16]),
-       window_rows=st.sampled_from([4096, 3, 8]), seed=st.integers(0, 2**16))
-def test_prefill_by_kv_block_any_batch(target, requests, group, kv_heads, topk, noise, pass_rows, window_rows, seed,
+       noise=st.sampled_from([0.0, 0.2, 0.6]), pass_rows=st.sampled_from([None, 5, 16]), seed=st.integers(0, 2**16))
+def test_prefill_by_kv_block_any_batch(target, requests, group, kv_heads, topk, noise, pass_rows, seed,
                                        monkeypatch):
     """Any batch's rows by KV block (max_union 0): request lengths, head groups (3: padded lanes), k, a share of
-    the ids replaced by noise, launch passes, windows of a pass's rows; against the reference, output poisoned
-    first."""
+    the ids replaced by noise, launch passes; against the reference, output poisoned first."""
     from m3sparse.kernels import sparse_attn, sparse_attn_kv_major
     from m3sparse.kernels.sparse_attn import sparse_attn_prefill
     calls = []
     kv_major = sparse_attn.sparse_attn_kv_major
     monkeypatch.setattr(sparse_attn, "sparse_attn_kv_major", lambda *a: (calls.append(1), kv_major(*a))[1])
     monkeypatch.setattr(sparse_attn, "KV_BLOCK_ABOVE_ROWS", 0)
-    monkeypatch.setattr(sparse_attn_kv_major, "WINDOW_ROWS", window_rows)
     dtype = act_dtype(target) if target == "cuda" else torch.float16
     batch = make_batch(requests=requests, heads=group * kv_heads, kv_heads=kv_heads, block_size=16,
                        q_dtype=act_dtype(target), kv_dtype=dtype, seed=seed, device=device_of(target))

@@ -4,9 +4,9 @@ selected is loaded once for all of them, and each row's 16 single-block results 
 The tile kernel wins where a tile's rows share their blocks; rows with unrelated selections (uniformly random
 ones: 4 rows hold ~61 distinct blocks) leave it nothing to share, and the per-row kernel reloads every selected
 block for every row (8k on a 120k prefix: 8.6 GB of L2 traffic, 1.2 ms on the H200). Here the (row, block)
-pairs are bucketed by (window of the pass's rows, KV head, request, block, whether it is the row's own block: only
-those chunks mask keys per row) and cut into chunks of CHUNK pairs; a program loads its chunk's block once and
-computes the softmax of TQ rows x all query heads of the KV head per dot against it. What that costs instead: each pair's normalized output
+pairs are bucketed by (KV head, request, block, whether it is the row's own block: only those chunks mask keys
+per row) and cut into chunks of CHUNK pairs; a program loads its chunk's block once and computes the softmax of TQ
+rows x all query heads of the KV head per dot against it. What that costs instead: each pair's normalized output
 ([H, D] in the query dtype) and log-sum-exp go to memory and are read back by the merge (8k on 120k random: 0.70 ms
 for all of it; docs/perf-notes.md v21).
 
@@ -39,11 +39,6 @@ CHUNK = 64
 PASS_BYTES = 2 << 30
 # Rows per tile of the rank and fill launches.
 RANK_ROWS = 16
-# Rows of a pass per window, the buckets' first key (docs/perf-notes.md v46): a window's chunks run together, so its
-# queries (4096 rows x 16 heads x 128 in 16 bits: 16 MB) are read from the L2 by every block the window chose.
-WINDOW_ROWS = 4096
-# Buckets of a pass at most (their counts are zeroed and summed each pass): fewer, longer windows beyond that.
-MAX_BUCKETS = 1 << 20
 
 
 def _hopper_kv_block(q, kv_cache, sc):
@@ -64,7 +59,7 @@ def kv_major_fits(group: int, dot_f32: bool) -> bool:
 
 
 @triton.jit
-def _valid_pairs(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, i, g, BATCH, HKV, width, r0, r1, WIN,
+def _valid_pairs(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, i, g, BATCH, HKV, width, r0, r1,
                  R: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
                  MARKED: tl.constexpr):
     """(valid [R, TOPK_PAD], bucket, rows - r0 [R], own [R]) of tile i (R rows of one request) for KV head g: own
@@ -90,23 +85,21 @@ def _valid_pairs(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, i, g, 
         earlier = tl.sum(tl.where(k[None, :] == j - 1, ids, 0), axis=1)
         ok &= ~((ids == earlier[:, None]) & (k[None, :] >= j))
     # A row's own block is the only one it may see in part: those pairs get a bucket of their own, so the chunks
-    # of every other bucket need no causal mask. The pass's window of WIN rows comes first: a window's buckets are
-    # consecutive chunks, run together while its queries sit in the L2.
-    bucket = (((((t - r0) // WIN)[:, None] * HKV + g) * BATCH + b) * width + ids) * 2 + (ids == own_block).to(
-        tl.int32)
+    # of every other bucket need no causal mask.
+    bucket = ((g * BATCH + b) * width + ids) * 2 + (ids == own_block).to(tl.int32)
     return ok, bucket, t - r0, own
 
 
 @triton.jit
-def _pair_rank_kernel(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, BATCH, HKV, width, r0, r1, WIN,
-                      i0, count_ptr, rank_ptr, NB, R: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr,
+def _pair_rank_kernel(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, BATCH, HKV, width, r0, r1, i0,
+                      count_ptr, rank_ptr, NB, R: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr,
                       TOPK_PAD: tl.constexpr, CHUNK: tl.constexpr, MARKED: tl.constexpr):
     """Program (tile i0 + program id of R rows, KV head g): rank_ptr[g, row - r0, slot] = the pair's rank in its
     bucket (-1: not a pair); count_ptr[0, bucket] counts the bucket's pairs, count_ptr[1, bucket] its chunks."""
     i = i0 + tl.program_id(0)
     g = tl.program_id(1)
     ok, bucket, t, own = _valid_pairs(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, i, g, BATCH, HKV,
-                                      width, r0, r1, WIN, R, BS, TOPK, TOPK_PAD, MARKED)
+                                      width, r0, r1, R, BS, TOPK, TOPK_PAD, MARKED)
     rank = tl.atomic_add(count_ptr + bucket, 1, mask=ok)
     tl.atomic_add(count_ptr + NB + bucket, 1, mask=ok & (rank % CHUNK == 0))
     k = tl.arange(0, TOPK_PAD)
@@ -115,8 +108,8 @@ def _pair_rank_kernel(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, B
 
 
 @triton.jit
-def _pair_fill_kernel(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, BATCH, HKV, width, r0, r1, WIN,
-                      i0, count_ptr, cum_ptr, rank_ptr, pair_ptr, table_ptr, max_chunks, NB, R: tl.constexpr,
+def _pair_fill_kernel(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, BATCH, HKV, width, r0, r1, i0,
+                      count_ptr, cum_ptr, rank_ptr, pair_ptr, table_ptr, max_chunks, NB, R: tl.constexpr,
                       BS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, CHUNK: tl.constexpr,
                       MARKED: tl.constexpr):
     """Program (tile i0 + program id of R rows, KV head g): pair_ptr[bucket's first pair + rank] = (row - r0) x
@@ -125,7 +118,7 @@ def _pair_fill_kernel(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, B
     i = i0 + tl.program_id(0)
     g = tl.program_id(1)
     ok, bucket, t, _ = _valid_pairs(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, i, g, BATCH, HKV,
-                                    width, r0, r1, WIN, R, BS, TOPK, TOPK_PAD, MARKED)
+                                    width, r0, r1, R, BS, TOPK, TOPK_PAD, MARKED)
     k = tl.arange(0, TOPK_PAD)
     rank = tl.load(rank_ptr + (g * (r1 - r0) + t[:, None]) * TOPK + k[None, :], mask=ok, other=0)
     count = tl.load(count_ptr + bucket, mask=ok, other=0)
@@ -185,7 +178,7 @@ def _kv_block_steps(q_ptr, q_st, q_sh, k, v, loaded, key_pos, slot, g, pos_shift
 
 @triton.jit
 def _kv_major_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, bt_ptr, bt_sb, num_pages, cu_ptr,
-                          ctx_ptr, seq_ptr, BATCH, HKV, width, r0, table_ptr, max_chunks, cum_ptr, NB, pair_ptr, ks_ptr,
+                          ctx_ptr, seq_ptr, BATCH, width, r0, table_ptr, max_chunks, cum_ptr, NB, pair_ptr, ks_ptr,
                           ks_sh, vs_ptr, vs_sh, scale, v_factor, o_ptr, lse_ptr, H, G: tl.constexpr,
                           GP: tl.constexpr, TQ: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                           TOPK: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
@@ -198,7 +191,7 @@ def _kv_major_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, bt_ptr
         start = tl.load(table_ptr + max_chunks + c)
         n = tl.load(table_ptr + 2 * max_chunks + c)
         own_blocks = bucket % 2
-        g = (bucket // (2 * BATCH * width)) % HKV
+        g = bucket // (2 * BATCH * width)
         b = (bucket // (2 * width)) % BATCH
         blk = (bucket // 2) % width
         page = tl.load(bt_ptr + b * bt_sb + blk)
@@ -278,7 +271,7 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
     group = num_heads // kv_heads
     gp = next_pow2(group)
     tq = max(1, 64 // gp)
-    blocks = max(1, 2 * kv_heads * batch * width)  # two buckets per (KV head, request, block): own rows, others
+    nb = max(1, 2 * kv_heads * batch * width)  # two buckets per (KV head, request, block): own rows, others
     rows_per_pass = max(1, PASS_BYTES // (topk * num_heads * dim * q.element_size()))
     marked = marks is not None
     hopper = _hopper_kv_block(q, kv_cache, sc)
@@ -286,9 +279,6 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
     for r0 in range(0, num_tokens, rows_per_pass):
         r1 = min(num_tokens, r0 + rows_per_pass)
         rows = r1 - r0
-        windows = max(1, min(cdiv(rows, WINDOW_ROWS), MAX_BUCKETS // blocks))
-        win = cdiv(rows, windows)
-        nb = blocks * windows
         max_pairs = kv_heads * rows * topk
         max_chunks = max_pairs // CHUNK + min(nb, max_pairs)
         counts = torch.zeros(2, nb, dtype=torch.int32, device=q.device)
@@ -304,7 +294,7 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
         i0 = r0 // RANK_ROWS
         grid = (cdiv(r1, RANK_ROWS) + batch - i0, kv_heads)
         select = (topk_ids, *topk_ids.stride(), cu_seqlens_q, context_lens, mark_arg, batch, kv_heads, width, r0, r1,
-                  win, i0)
+                  i0)
         shape = dict(R=RANK_ROWS, BS=bs, TOPK=topk, TOPK_PAD=ids_pad(topk), CHUNK=CHUNK, MARKED=marked)
         launch(_pair_rank_kernel, grid, *select, counts, rank, nb, **shape, num_warps=4)
         cum = torch.cumsum(counts, 1, dtype=torch.int32)
@@ -315,8 +305,8 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
                    max_chunks, cum, nb, pairs, sc.k_mult, sc.v_val, part_o, part_lse)
         else:
             launch(_kv_major_attn_kernel, (max_chunks,), q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3],
-                   block_table, block_table.stride(0), num_pages, cu_seqlens_q, context_lens, seq_lens, batch,
-                   kv_heads, width, r0, table, max_chunks, cum, nb, pairs, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val,
+                   block_table, block_table.stride(0), num_pages, cu_seqlens_q, context_lens, seq_lens, batch, width,
+                   r0, table, max_chunks, cum, nb, pairs, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val,
                    part_o, part_lse, num_heads, G=group, GP=gp, TQ=tq, BS=bs, D=dim, TOPK=topk, K_SCALE=sc.k_mode,
                    V_SCALE=sc.v_mode, DOT_F32=dot_f32, num_warps=4, num_stages=1)
         launch(_merge_pairs_kernel, (rows, kv_heads), part_o, part_lse, rank, mark_arg, cu_seqlens_q, batch, r0,

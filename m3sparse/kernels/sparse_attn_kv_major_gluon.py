@@ -166,7 +166,7 @@ def kv_block_attn_hopper_kernel(q_desc, kv_desc, o_desc, bt_ptr, bt_sb, num_page
         bucket = gl.load(table_ptr + c)
         start = gl.load(table_ptr + max_chunks + c)
         n = gl.load(table_ptr + 2 * max_chunks + c)
-        g = (bucket // (2 * BATCH * width)) % HKV
+        g = bucket // (2 * BATCH * width)
         b = (bucket // (2 * width)) % BATCH
         blk = (bucket // 2) % width
         page = gl.load(bt_ptr + b * bt_sb + blk)
