@@ -39,6 +39,8 @@ CHUNK = 64
 PASS_BYTES = 2 << 30
 # Rows per tile of the rank and fill launches.
 RANK_ROWS = 16
+# Rows per program of the merge launch.
+MERGE_ROWS = 4
 
 
 def _hopper_kv_block(q, kv_cache, sc):
@@ -226,12 +228,21 @@ def _kv_major_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, bt_ptr
 @triton.jit
 def _merge_pairs_kernel(o_ptr, lse_ptr, rank_ptr, mark_ptr, cu_ptr, BATCH, r0, rows, HKV, out_ptr, out_st, out_sh, H,
                         G: tl.constexpr, GP: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-                        D: tl.constexpr, MARKED: tl.constexpr):
-    """Program (row r0 + t, KV head g): out = the exact merge of the row's pair outputs by their log-sum-exps,
-    for rows the tile kernel did not compute; 0 for a row with no key seen and for padding rows (past
-    cu_seqlens_q[-1]: no request, their rank and mark never written)."""
-    t = tl.program_id(0)
+                        D: tl.constexpr, MARKED: tl.constexpr, ROWS: tl.constexpr):
+    """Program (ROWS rows from r0 + ROWS x program id, KV head g): ``_merge_pair_row`` for each."""
     g = tl.program_id(1)
+    for t in range(tl.program_id(0) * ROWS, tl.minimum(rows, tl.program_id(0) * ROWS + ROWS)):
+        _merge_pair_row(o_ptr, lse_ptr, rank_ptr, mark_ptr, cu_ptr, BATCH, r0, rows, HKV, out_ptr, out_st, out_sh, H,
+                        t, g, G, GP, TOPK, TOPK_PAD, D, MARKED)
+
+
+@triton.jit
+def _merge_pair_row(o_ptr, lse_ptr, rank_ptr, mark_ptr, cu_ptr, BATCH, r0, rows, HKV, out_ptr, out_st, out_sh, H, t, g,
+                    G: tl.constexpr, GP: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, D: tl.constexpr,
+                    MARKED: tl.constexpr):
+    """Row r0 + t, KV head g: out = the exact merge of the row's pair outputs by their log-sum-exps, for rows the
+    tile kernel did not compute; 0 for a row with no key seen and for padding rows (past cu_seqlens_q[-1]: no
+    request, their rank and mark never written)."""
     inside = r0 + t < tl.load(cu_ptr + BATCH)
     skip = False
     if MARKED:
@@ -251,7 +262,7 @@ def _merge_pairs_kernel(o_ptr, lse_ptr, rank_ptr, mark_ptr, cu_ptr, BATCH, r0, r
         for s in tl.static_range(TOPK):
             # Pair s's weights from the log-sum-exps already loaded (-inf, a weight of 0, where it is no pair).
             w = tl.exp(tl.sum(tl.where(k[:, None] == s, lse, 0.0), axis=0) - mx)
-            row = (t * TOPK + s).to(tl.int64) * H + head
+            row = (tl.cast(t, tl.int64) * TOPK + s) * H + head
             acc += w[:, None] * tl.load(o_ptr + row[:, None] * D + d[None, :], mask=(w > 0)[:, None], other=0.0).to(
                 tl.float32)
         res = acc / tl.where(total > 0, total, 1.0)[:, None]
@@ -309,6 +320,6 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
                    r0, table, max_chunks, cum, nb, pairs, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val,
                    part_o, part_lse, num_heads, G=group, GP=gp, TQ=tq, BS=bs, D=dim, TOPK=topk, K_SCALE=sc.k_mode,
                    V_SCALE=sc.v_mode, DOT_F32=dot_f32, num_warps=4, num_stages=1)
-        launch(_merge_pairs_kernel, (rows, kv_heads), part_o, part_lse, rank, mark_arg, cu_seqlens_q, batch, r0,
+        launch(_merge_pairs_kernel, (cdiv(rows, MERGE_ROWS), kv_heads), part_o, part_lse, rank, mark_arg, cu_seqlens_q, batch, r0,
                rows, kv_heads, out, *out.stride()[:2], num_heads, G=group, GP=gp, TOPK=topk, TOPK_PAD=ids_pad(topk),
-               D=dim, MARKED=marked, num_warps=4)
+               D=dim, MARKED=marked, ROWS=MERGE_ROWS, num_warps=4)
