@@ -39,7 +39,9 @@ CHUNK = 64
 PASS_BYTES = 2 << 30
 # Rows per tile of the rank and fill launches.
 RANK_ROWS = 16
-# Rows per program of the merge launch.
+# Rows per program of the merge launch: where the tiles took every row its programs exit at once, and beside the
+# tile kernel each takes a freed slot. H200, attention op ms, 1 / 4 / 8 rows: 128k locality 5.20 / 4.90 / 4.73,
+# 128k random 8.66 / 8.53 / 9.03, 8k on 120k random 0.741 / 0.721 / 0.855 (docs/perf-notes.md v46).
 MERGE_ROWS = 4
 
 
@@ -320,6 +322,6 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
                    r0, table, max_chunks, cum, nb, pairs, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val,
                    part_o, part_lse, num_heads, G=group, GP=gp, TQ=tq, BS=bs, D=dim, TOPK=topk, K_SCALE=sc.k_mode,
                    V_SCALE=sc.v_mode, DOT_F32=dot_f32, num_warps=4, num_stages=1)
-        launch(_merge_pairs_kernel, (cdiv(rows, MERGE_ROWS), kv_heads), part_o, part_lse, rank, mark_arg, cu_seqlens_q, batch, r0,
-               rows, kv_heads, out, *out.stride()[:2], num_heads, G=group, GP=gp, TOPK=topk, TOPK_PAD=ids_pad(topk),
-               D=dim, MARKED=marked, ROWS=MERGE_ROWS, num_warps=4)
+        launch(_merge_pairs_kernel, (cdiv(rows, MERGE_ROWS), kv_heads), part_o, part_lse, rank, mark_arg,
+               cu_seqlens_q, batch, r0, rows, kv_heads, out, *out.stride()[:2], num_heads, G=group, GP=gp, TOPK=topk,
+               TOPK_PAD=ids_pad(topk), D=dim, MARKED=marked, ROWS=MERGE_ROWS, num_warps=4)
