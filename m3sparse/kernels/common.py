@@ -16,6 +16,13 @@ def interpreting() -> bool:
     return triton.knobs.runtime.interpret
 
 
+def gluon_may_run(t: torch.Tensor) -> bool:
+    """Whether a Gluon kernel may take a launch on t's device: a CUDA tensor, not the interpreter, and the Triton
+    release the Gluon kernels were written and verified for (Gluon's API changes between releases). Each kernel's
+    own ``*_fit`` check says the rest (GPU, dtypes, shapes)."""
+    return t.is_cuda and not interpreting() and triton.__version__.startswith("3.6.")
+
+
 @functools.lru_cache(maxsize=None)
 def device_capability(index: int) -> tuple[int, int]:
     """``torch.cuda.get_device_capability(index)``, asked once per device (the query costs host time per launch)."""

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .block_keys import block_of_key, packed_block_key
-from .common import H200_SMS, cdiv, dot_in_fp32, ids_pad, interpreting, next_pow2
+from .common import H200_SMS, cdiv, dot_in_fp32, gluon_may_run, ids_pad, next_pow2
 from .dependent_launch import chained_launch, release_consumer, wait_for_producer
 from .launch import launch
 from .rows import prefill_request_rows
@@ -354,10 +354,10 @@ def _prefill_tiling(max_query_len: int, batch: int, width: int, hkv_pad: int, fp
 
 def _hopper_scores(index_q, index_cache, topk, block_m):
     """The Gluon launcher of the prefill scoring (``index_topk_gluon``) when it fits this launch (64-row tiles), else
-    None. Gluon is imported on first use, on the Triton release the kernel was written and verified for. H200, index
+    None. Gluon is imported on first use, where it may run (``gluon_may_run``). H200, index
     op back to back, min of 3 rounds, Triton / Gluon scorer (ids equal as sets on every row; perf-notes v28): 128k
     locality 3.482 / 3.259 ms, 8k on 120k random 0.468 / 0.432, 32k locality 0.241 / 0.224, 8k random 0.085 / 0.056."""
-    if block_m != PREFILL_BLOCK_M or not index_q.is_cuda or interpreting() or not triton.__version__.startswith("3.6."):
+    if block_m != PREFILL_BLOCK_M or not gluon_may_run(index_q):
         return None
     from . import index_topk_gluon
     return index_topk_gluon.score_topk_hopper if index_topk_gluon.gluon_scores_fit(index_q, index_cache, topk) else None

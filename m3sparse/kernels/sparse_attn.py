@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .._validation import FP8_DTYPES
-from .common import H200_SMS, cdiv, dot_in_fp32, ids_pad, interpreting, next_pow2, scale_args
+from .common import H200_SMS, cdiv, dot_in_fp32, gluon_may_run, ids_pad, interpreting, next_pow2, scale_args
 from .dependent_launch import PDL_EARLY, chained_launch, dependent_launch_works, release_consumer, wait_for_producer
 from .launch import launch, launch_each
 from .online_softmax import attend_keys, store_rows
@@ -367,8 +367,8 @@ def _beside_stream(device: torch.device) -> torch.cuda.Stream:
 
 def _hopper_tiles(q, kv_cache, tq, sc):
     """The Gluon launcher of the prefill tile attention (``sparse_attn_tiles_gluon``) when it fits this launch,
-    else None. Gluon is imported on first use, on the Triton release the kernel was written and verified for."""
-    if not q.is_cuda or interpreting() or not triton.__version__.startswith("3.6."):
+    else None. Gluon is imported on first use, where it may run (``gluon_may_run``)."""
+    if not gluon_may_run(q):
         return None
     from . import sparse_attn_tiles_gluon as gluon_tiles
     if not gluon_tiles.gluon_tiles_fit(q, kv_cache, tq, sc.k_mode, sc.v_mode):

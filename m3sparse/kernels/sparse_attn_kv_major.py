@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, ids_pad, interpreting, next_pow2
+from .common import cdiv, gluon_may_run, ids_pad, interpreting, next_pow2
 from .launch import launch
 from .online_softmax import attend_keys, softmax_multipliers
 from .rows import locate_prefill, prefill_request_rows
@@ -47,8 +47,8 @@ MERGE_ROWS = 4
 
 def _hopper_kv_block(q, kv_cache, sc):
     """The Gluon launcher of the KV-block attention (``sparse_attn_kv_major_gluon``) when it fits this launch, else
-    None. Gluon is imported on first use, on the Triton release the kernel was written and verified for."""
-    if not q.is_cuda or interpreting() or not triton.__version__.startswith("3.6."):
+    None. Gluon is imported on first use, where it may run (``gluon_may_run``)."""
+    if not gluon_may_run(q):
         return None
     from . import sparse_attn_kv_major_gluon as gluon_kv_block
     if not gluon_kv_block.gluon_kv_block_fits(q, kv_cache, sc.k_mode, sc.v_mode):
