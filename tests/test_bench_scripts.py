@@ -45,3 +45,42 @@ def test_decode_step_skeleton_reads_every_byte_it_claims(scripts, index_bytes, s
     for launch in step.calls(score_programs, splits):
         launch()
     step.check(0)
+
+
+@pytest.fixture
+def tile_cost(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module("tile_fixed_cost")
+
+
+@pytest.mark.parametrize("tokens", [1024, 1000, 643])
+@pytest.mark.parametrize("union", [1, 3, 16])
+def test_tile_fixed_cost_gives_every_tile_exactly_its_union(tile_cost, tokens, union):
+    """The measurement's premise: each token's valid ids are distinct, include its own block, none after it, and
+    every 4-row tile (any 4 rows of one block) has min(union, own block + 1) blocks; tile_steps counts them."""
+    ids = tile_cost.fixed_union_ids(tokens, union)
+    assert ids.shape == (1, tokens, 16) and ids.dtype == torch.int32
+    steps = 0
+    for t0 in range(0, tokens, 4):
+        own = t0 // 128
+        rows = [set(ids[0, t][ids[0, t] >= 0].tolist()) for t in range(t0, min(t0 + 4, tokens))]
+        for t, chosen in zip(range(t0, tokens), rows):
+            assert len(chosen) == int((ids[0, t] >= 0).sum()), "repeated ids"
+            assert own in chosen and max(chosen) == own
+        tile_union = set().union(*rows)
+        assert len(tile_union) == min(union, own + 1)
+        steps += len(tile_union)
+    assert tile_cost.tile_steps(tokens, union) == steps
+
+
+def test_tile_fixed_cost_rejects_a_union_outside_the_top_k(tile_cost):
+    with pytest.raises(ValueError, match="union"):
+        tile_cost.fixed_union_ids(256, 17)
+    with pytest.raises(ValueError, match="union"):
+        tile_cost.fixed_union_ids(256, 0)
+
+
+def test_tile_fixed_cost_fit_recovers_cost_per_tile_and_per_block(tile_cost):
+    rows = [dict(union=u, us_per_tile_per_slot=4.8 + 1.65 * u + (0.01 if u % 2 else -0.01)) for u in (2, 4, 8, 12, 16)]
+    a, b = tile_cost.fit_per_tile(rows)
+    assert abs(a - 4.8) < 0.05 and abs(b - 1.65) < 0.01
