@@ -81,6 +81,7 @@ def test_tile_fixed_cost_rejects_a_union_outside_the_top_k(tile_cost):
 
 
 def test_tile_fixed_cost_fit_recovers_cost_per_tile_and_per_block(tile_cost):
-    rows = [dict(union=u, us_per_tile_per_slot=4.8 + 1.65 * u + 0.01 * (-1) ** i) for i, u in enumerate((2, 4, 8, 12, 16))]
+    rows = [dict(union=u, us_per_tile_per_slot=4.8 + 1.65 * u + 0.01 * (-1) ** i)
+            for i, u in enumerate((2, 4, 8, 12, 16))]
     a, b = tile_cost.fit_per_tile(rows)
     assert abs(a - 4.8) < 0.05 and abs(b - 1.65) < 0.01
