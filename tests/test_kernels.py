@@ -846,6 +846,44 @@ def test_prefill_tiles_beside_kv_blocks_replay_in_a_cuda_graph(monkeypatch):
         assert rel_err(out, ref) <= attn_tol("cuda", torch.bfloat16)
 
 
+@pytest.mark.gpu
+def test_prefill_kv_block_launches_start_beside_the_tile_kernel(monkeypatch, tmp_path):
+    """The KV-block launches fork right after the union launch and are issued once the tile attention is queued:
+    their first kernel starts while the tile kernel runs (forked after the tile launch, it would wait for the
+    tile kernel's end). 32k tokens, each selecting its own block and the 15 before it: every row tiled, a tile
+    kernel of ~1 ms; the call issued on an idle GPU."""
+    import json
+    from torch.profiler import ProfilerActivity, profile
+    from m3sparse.kernels import sparse_attn
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon tile kernel runs on sm_90")
+    monkeypatch.setattr(sparse_attn, "KV_BLOCK_ABOVE_ROWS", 0)
+    tokens, bs = 32768, 128
+    pages = tokens // bs
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    kv = m3sparse.new_kv_cache(pages, 1, torch.bfloat16, device="cuda").normal_(generator=gen)
+    meta = (torch.arange(pages, dtype=torch.int32, device="cuda").view(1, pages),
+            torch.tensor([0, tokens], dtype=torch.int32, device="cuda"),
+            torch.tensor([tokens], dtype=torch.int32, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda"),
+            tokens)
+    own = torch.arange(tokens, device="cuda") // bs
+    ids = torch.stack([torch.where(own >= j, own - j, -1) for j in range(16)], -1).int()[None]
+    q = torch.randn(tokens, 16, 128, device="cuda", generator=gen).bfloat16()
+    out = torch.empty_like(q)
+    m3sparse.sparse_attn_prefill(q, kv, ids, *meta, out=out)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        m3sparse.sparse_attn_prefill(q, kv, ids, *meta, out=out)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    kernels = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    tiles = [e for e in kernels if "sparse_attn_tiles_hopper_kernel" in e["name"]]
+    ranks = [e for e in kernels if "_pair_rank_kernel" in e["name"]]
+    assert len(tiles) == 1 and len(ranks) == 1, [e["name"] for e in kernels]
+    assert tiles[0]["dur"] > 300, f"tile kernel of {tiles[0]['dur']} us: too short to tell"
+    assert ranks[0]["ts"] < tiles[0]["ts"] + tiles[0]["dur"], "the KV-block launches waited for the tile kernel"
+
+
 @pytest.mark.parametrize("kv_heads, above", [(1, 0), (1, 62), (2, 124), (2, 123)])
 def test_prefill_rows_by_kv_block_only_in_large_batches(target, kv_heads, above, monkeypatch):
     """The rows the tiles leave go by KV block only when the batch's rows x KV heads exceed KV_BLOCK_ABOVE_ROWS

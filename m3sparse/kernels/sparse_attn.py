@@ -277,10 +277,11 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     """The tile kernel over tiles whose block union <= max_union. Prefill: ``prefill`` = (cu_seqlens_q,
     context_lens), the unions built by a launch of their own before the attention's; decode: ``decode`` =
     (seq_lens, decode_query_len), one tile of tq >= decode_query_len rows per request, its union split over
-    ``splits`` programs that each build it, chained by dependent launch as ``pdl`` says (PDL_*). ``after_union``:
-    a function of the row marks called between the union launch and the attention's (prefill). Returns, in
-    prefill, which rows the tile kernel computed ([T, Hkv] int8, a view of the scratch the attention launch
-    reads: keep it until every launch that reads it has run)."""
+    ``splits`` programs that each build it, chained by dependent launch as ``pdl`` says (PDL_*). ``after_union``
+    (prefill): a function of the row marks called right after the union launch, which returns a function called
+    after the attention's launch (launches that read only the marks fork there and are issued once the attention
+    is queued). Returns, in prefill, which rows the tile kernel computed ([T, Hkv] int8, a view of the scratch the
+    attention launch reads: keep it until every launch that reads it has run)."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     batch = block_table.shape[0]
@@ -317,13 +318,14 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     consts = dict(G=group, GP=next_pow2(group), TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N),
                   D=dim, TOPK=topk, TOPK_PAD=topk_pad, K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
                   IS_DECODE=decode is not None, WRITE_OUT=splits == 1, ORDERED=ordered, PDL=pdl)
-    # Prefill: the union launch, ``after_union``, then the attention's (the Gluon kernel's where it fits); decode:
-    # one launch.
+    # Prefill: the union launch, ``after_union``, the attention's (the Gluon kernel's where it fits), then what
+    # ``after_union`` deferred; decode: one launch.
+    deferred = None
     if apart:
         launch_each(_sparse_attn_tiles_kernel, args, [((tiles, kv_heads, 1), dict(
             consts, BUILD_UNION=True, ATTEND=False, num_warps=UNION_WARPS, num_stages=1))])
         if after_union is not None:
-            after_union(marks)
+            deferred = after_union(marks)
     hopper = _hopper_tiles(q, kv_cache, tq, sc) if apart else None
     if hopper is not None:
         hopper(q, kv_cache, union, counts, order, tiles, tq, tq * topk_pad, max_union, sc.k_mult, sc.v_val, out,
@@ -333,19 +335,26 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
             consts, BUILD_UNION=not apart, ATTEND=True, num_warps=TILE_WARPS,
             num_stages=1 if dot_f32 else TILE_STAGES, launch_pdl=pdl > 0))])
     _merge_split_partials(m, l, acc, out, splits, pdl)
+    if deferred is not None:
+        deferred()
     return marks
 
 
 @contextlib.contextmanager
-def _forked(stream: torch.cuda.Stream | None):
-    """Launches inside run on ``stream`` after everything the current stream holds so far (None: on the current
-    stream). The caller joins it back (``wait_stream``) before the tensors those launches read are freed."""
+def _on(stream: torch.cuda.Stream | None):
+    """Launches inside run on ``stream`` (None: on the current stream)."""
     if stream is None:
         yield
         return
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
     with torch.cuda.stream(stream):
         yield
+
+
+def _fork(stream: torch.cuda.Stream | None) -> None:
+    """``stream``'s later launches run after everything the current stream holds so far, and not after what it is
+    given from here on. The caller joins it back (``wait_stream``) before the tensors its launches read are freed."""
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
 
 
 _BESIDE: dict[int, torch.cuda.Stream] = {}
@@ -396,21 +405,28 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
     kv_block = bool(block_table.shape[0] and q.shape[0] * kv_heads > KV_BLOCK_ABOVE_ROWS
                     and kv_major_fits(q.shape[1] // kv_heads, dot_f32))
     # The KV-block launches read only the union launch's row marks, so they run beside the tile attention, forked
-    # right after the union launch.
+    # right after the union launch. They are issued after the tile attention is queued: the host takes ~0.3 ms to
+    # issue them (six launches, allocations), through which the GPU would otherwise wait for the tile kernel where
+    # the host is behind (eager 8k on a 120k prefix); the stream's priority still starts their programs first.
     beside = _beside_stream(q.device) if kv_block and q.is_cuda else None
 
     def kv_block_rows(marks):
-        with _forked(beside):
+        with _on(beside):
             sparse_attn_kv_major(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, seq_lens, sc, out,
                                  marks, dot_f32)
+
+    def fork_kv_block_rows(marks):
+        _fork(beside)
+        return lambda: kv_block_rows(marks)
 
     tiled = None
     if block_table.shape[0] and max_query_len:
         tiles = cdiv(q.shape[0], tq) + block_table.shape[0]  # bounds the tile count whatever the lengths
         tiled = _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32,
-                           prefill=(cu_seqlens_q, context_lens), after_union=kv_block_rows if kv_block else None)
+                           prefill=(cu_seqlens_q, context_lens), after_union=fork_kv_block_rows if kv_block else None)
     if kv_block:
         if tiled is None:
+            _fork(beside)
             kv_block_rows(None)
         if beside is not None:
             torch.cuda.current_stream(q.device).wait_stream(beside)
