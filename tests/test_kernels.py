@@ -847,11 +847,12 @@ def test_prefill_tiles_beside_kv_blocks_replay_in_a_cuda_graph(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_prefill_kv_block_launches_start_beside_the_tile_kernel(monkeypatch, tmp_path):
-    """The KV-block launches fork right after the union launch and are issued once the tile attention is queued:
-    their first kernel starts while the tile kernel runs (forked after the tile launch, it would wait for the
-    tile kernel's end). 32k tokens, each selecting its own block and the 15 before it: every row tiled, a tile
-    kernel of ~1 ms; the call issued on an idle GPU."""
+@pytest.mark.parametrize("gpu_busy", [False, True])
+def test_prefill_kv_block_launches_start_beside_the_tile_kernel(gpu_busy, monkeypatch, tmp_path):
+    """The KV-block launches fork right after the union launch, issued before the tile attention (the GPU busy
+    when the call starts) or after it (idle): either way their first kernel starts while the tile kernel runs
+    (forked after the tile launch, it would wait for the tile kernel's end). 32k tokens, each selecting its own
+    block and the 15 before it: every row tiled, a tile kernel of ~1 ms."""
     import json
     from torch.profiler import ProfilerActivity, profile
     from m3sparse.kernels import sparse_attn
@@ -872,9 +873,14 @@ def test_prefill_kv_block_launches_start_beside_the_tile_kernel(monkeypatch, tmp
     out = torch.empty_like(q)
     m3sparse.sparse_attn_prefill(q, kv, ids, *meta, out=out)
     torch.cuda.synchronize()
+    issued = []
+    monkeypatch.setattr(sparse_attn, "_stream_idle", lambda device: issued.append(not gpu_busy) or not gpu_busy)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        if gpu_busy:
+            torch.cuda._sleep(1_000_000)
         m3sparse.sparse_attn_prefill(q, kv, ids, *meta, out=out)
         torch.cuda.synchronize()
+    assert issued == [not gpu_busy]
     prof.export_chrome_trace(str(tmp_path / "trace.json"))
     kernels = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e.get("cat") == "kernel"]
     tiles = [e for e in kernels if "sparse_attn_tiles_hopper_kernel" in e["name"]]
@@ -882,6 +888,28 @@ def test_prefill_kv_block_launches_start_beside_the_tile_kernel(monkeypatch, tmp
     assert len(tiles) == 1 and len(ranks) == 1, [e["name"] for e in kernels]
     assert tiles[0]["dur"] > 300, f"tile kernel of {tiles[0]['dur']} us: too short to tell"
     assert ranks[0]["ts"] < tiles[0]["ts"] + tiles[0]["dur"], "the KV-block launches waited for the tile kernel"
+
+
+@pytest.mark.gpu
+def test_stream_idle_reads_the_callers_stream():
+    """``_stream_idle``: True on a synchronised stream, False behind queued work, False (and the capture intact)
+    while the stream is being captured."""
+    from m3sparse.kernels.sparse_attn import _stream_idle
+    device = torch.device("cuda")
+    torch.cuda.synchronize()
+    assert _stream_idle(device)
+    torch.cuda._sleep(100_000_000)
+    assert not _stream_idle(device)
+    torch.cuda.synchronize()
+    x = torch.zeros(4, device="cuda")
+    seen = []
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.add_(1)
+        seen.append(_stream_idle(device))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert seen == [False] and (x == 1).all()
 
 
 @pytest.mark.parametrize("kv_heads, above", [(1, 0), (1, 62), (2, 124), (2, 123)])

@@ -278,9 +278,9 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     context_lens), the unions built by a launch of their own before the attention's; decode: ``decode`` =
     (seq_lens, decode_query_len), one tile of tq >= decode_query_len rows per request, its union split over
     ``splits`` programs that each build it, chained by dependent launch as ``pdl`` says (PDL_*). ``after_union``
-    (prefill): a function of the row marks called right after the union launch, which returns a function called
-    after the attention's launch (launches that read only the marks fork there and are issued once the attention
-    is queued). Returns, in prefill, which rows the tile kernel computed ([T, Hkv] int8, a view of the scratch the
+    (prefill): a function of the row marks called right after the union launch, which may return a function to
+    call after the attention's launch (launches that read only the marks fork there and may be issued once the
+    attention is queued). Returns, in prefill, which rows the tile kernel computed ([T, Hkv] int8, a view of the scratch the
     attention launch reads: keep it until every launch that reads it has run)."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
@@ -374,6 +374,20 @@ def _beside_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+def _stream_idle(device: torch.device) -> bool:
+    """Whether the caller's stream has finished all its work (never while it is being captured), so the GPU will
+    wait for this call's launches. Then the prefill issues the KV-block launches after the tile attention: they
+    take ~0.3 ms of host time to issue, which the GPU would otherwise spend waiting for the tile kernel. Where the
+    GPU has work queued, they go first and their stream's priority starts their programs between the tile
+    programs. H200, attention op, KV-block launches first -> after the tiles (docs/perf-notes.md v49): each call
+    on an idle GPU, 8k on 120k locality 0.691 -> 0.498 ms, 8k random 0.776 -> 0.596, 128k locality 5.77 -> 5.52,
+    8k on 120k random 0.873 -> 0.914; calls back to back behind other work lost with the tiles first (32k
+    locality 1.21 -> 1.31 ms, the other cases 1-2 %), hence the choice per call."""
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    return torch.cuda.current_stream(device).query()
+
+
 def _hopper_tiles(q, kv_cache, tq, sc):
     """The Gluon launcher of the prefill tile attention (``sparse_attn_tiles_gluon``) when it fits this launch,
     else None. Gluon is imported on first use, where it may run (``gluon_may_run``)."""
@@ -405,10 +419,9 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
     kv_block = bool(block_table.shape[0] and q.shape[0] * kv_heads > KV_BLOCK_ABOVE_ROWS
                     and kv_major_fits(q.shape[1] // kv_heads, dot_f32))
     # The KV-block launches read only the union launch's row marks, so they run beside the tile attention, forked
-    # right after the union launch. They are issued after the tile attention is queued: the host takes ~0.3 ms to
-    # issue them (six launches, allocations), through which the GPU would otherwise wait for the tile kernel where
-    # the host is behind (eager 8k on a 120k prefix); the stream's priority still starts their programs first.
+    # right after the union launch.
     beside = _beside_stream(q.device) if kv_block and q.is_cuda else None
+    host_behind = beside is not None and _stream_idle(q.device)
 
     def kv_block_rows(marks):
         with _on(beside):
@@ -417,7 +430,10 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
 
     def fork_kv_block_rows(marks):
         _fork(beside)
-        return lambda: kv_block_rows(marks)
+        if host_behind:
+            return lambda: kv_block_rows(marks)
+        kv_block_rows(marks)
+        return None
 
     tiled = None
     if block_table.shape[0] and max_query_len:
