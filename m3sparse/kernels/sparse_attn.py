@@ -280,8 +280,8 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     ``splits`` programs that each build it, chained by dependent launch as ``pdl`` says (PDL_*). ``after_union``
     (prefill): a function of the row marks called right after the union launch, which may return a function to
     call after the attention's launch (launches that read only the marks fork there and may be issued once the
-    attention is queued). Returns, in prefill, which rows the tile kernel computed ([T, Hkv] int8, a view of the scratch the
-    attention launch reads: keep it until every launch that reads it has run)."""
+    attention is queued). Returns, in prefill, which rows the tile kernel computed ([T, Hkv] int8, a view of the
+    scratch the attention launch reads: keep it until every launch that reads it has run)."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     batch = block_table.shape[0]
@@ -375,15 +375,16 @@ def _beside_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _stream_idle(device: torch.device) -> bool:
-    """Whether the caller's stream has finished all its work (never while it is being captured), so the GPU will
-    wait for this call's launches. Then the prefill issues the KV-block launches after the tile attention: they
-    take ~0.3 ms of host time to issue, which the GPU would otherwise spend waiting for the tile kernel. Where the
-    GPU has work queued, they go first and their stream's priority starts their programs between the tile
-    programs. H200, attention op, KV-block launches first -> after the tiles (docs/perf-notes.md v49): each call
-    on an idle GPU, 8k on 120k locality 0.691 -> 0.498 ms, 8k random 0.776 -> 0.596, 128k locality 5.77 -> 5.52,
-    8k on 120k random 0.873 -> 0.914; calls back to back behind other work lost with the tiles first (32k
-    locality 1.21 -> 1.31 ms, the other cases 1-2 %), hence the choice per call."""
-    if torch.cuda.is_current_stream_capturing():
+    """Whether the caller's stream has finished all its work, so the GPU will wait for this call's launches (never
+    while the stream is being captured, where a query would end the capture, nor on a device other than the
+    current one, whose capture state is not asked). Then the prefill issues the KV-block launches after the tile
+    attention: they take ~0.3 ms of host time to issue, which the GPU would otherwise spend waiting for the tile
+    kernel. Where the GPU has work queued, they go first and their stream's priority starts their programs between
+    the tile programs. H200, attention op, KV-block launches first -> after the tiles (docs/perf-notes.md v49):
+    each call on an idle GPU, 8k on 120k locality 0.691 -> 0.498 ms, 8k random 0.776 -> 0.596, 128k locality
+    5.77 -> 5.52, 8k on 120k random 0.873 -> 0.914; calls back to back behind other work lost with the tiles first
+    (32k locality 1.21 -> 1.31 ms, the other cases 1-2 %), hence the choice per call."""
+    if device.index != torch._C._cuda_getDevice() or torch.cuda.is_current_stream_capturing():
         return False
     return torch.cuda.current_stream(device).query()
 
