@@ -350,11 +350,11 @@ def _on(stream: torch.cuda.Stream | None):
         yield
 
 
-def _fork(stream: torch.cuda.Stream | None) -> None:
-    """``stream``'s later launches run after everything the current stream holds so far, and not after what it is
-    given from here on. The caller joins it back (``wait_stream``) before the tensors its launches read are freed."""
+def _fork(stream: torch.cuda.Stream | None, caller: torch.cuda.Stream | None) -> None:
+    """``stream``'s later launches run after everything ``caller`` holds so far, and not after what it is given
+    from here on. The caller joins it back (``wait_stream``) before the tensors its launches read are freed."""
     if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        stream.wait_stream(caller)
 
 
 _BESIDE: dict[int, torch.cuda.Stream] = {}
@@ -374,19 +374,19 @@ def _beside_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def _stream_idle(device: torch.device) -> bool:
-    """Whether the caller's stream has finished all its work, so the GPU will wait for this call's launches (never
-    while the stream is being captured, where a query would end the capture, nor on a device other than the
-    current one, whose capture state is not asked). Then the prefill issues the KV-block launches after the tile
+def _stream_idle(stream: torch.cuda.Stream) -> bool:
+    """Whether the caller's ``stream`` has finished all its work, so the GPU will wait for this call's launches
+    (never while it is being captured, where a query would end the capture, nor on a device other than the current
+    one, whose capture state is not asked). Then the prefill issues the KV-block launches after the tile
     attention: they take ~0.3 ms of host time to issue, which the GPU would otherwise spend waiting for the tile
     kernel. Where the GPU has work queued, they go first and their stream's priority starts their programs between
     the tile programs. H200, attention op, KV-block launches first -> after the tiles (docs/perf-notes.md v49):
     each call on an idle GPU, 8k on 120k locality 0.691 -> 0.498 ms, 8k random 0.776 -> 0.596, 128k locality
     5.77 -> 5.52, 8k on 120k random 0.873 -> 0.914; calls back to back behind other work lost with the tiles first
     (32k locality 1.21 -> 1.31 ms, the other cases 1-2 %), hence the choice per call."""
-    if device.index != torch._C._cuda_getDevice() or torch.cuda.is_current_stream_capturing():
+    if stream.device_index != torch._C._cuda_getDevice() or torch.cuda.is_current_stream_capturing():
         return False
-    return torch.cuda.current_stream(device).query()
+    return stream.query()
 
 
 def _hopper_tiles(q, kv_cache, tq, sc):
@@ -422,7 +422,8 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
     # The KV-block launches read only the union launch's row marks, so they run beside the tile attention, forked
     # right after the union launch.
     beside = _beside_stream(q.device) if kv_block and q.is_cuda else None
-    host_behind = beside is not None and _stream_idle(q.device)
+    caller = torch.cuda.current_stream(q.device) if beside is not None else None
+    host_behind = caller is not None and _stream_idle(caller)
 
     def kv_block_rows(marks):
         with _on(beside):
@@ -430,7 +431,7 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
                                  marks, dot_f32)
 
     def fork_kv_block_rows(marks):
-        _fork(beside)
+        _fork(beside, caller)
         if host_behind:
             return lambda: kv_block_rows(marks)
         kv_block_rows(marks)
@@ -443,10 +444,10 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
                            prefill=(cu_seqlens_q, context_lens), after_union=fork_kv_block_rows if kv_block else None)
     if kv_block:
         if tiled is None:
-            _fork(beside)
+            _fork(beside, caller)
             kv_block_rows(None)
         if beside is not None:
-            torch.cuda.current_stream(q.device).wait_stream(beside)
+            caller.wait_stream(beside)
         return out
     return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, 0, sc, out, 1, dot_f32,
                      (cu_seqlens_q, context_lens), tiled)
