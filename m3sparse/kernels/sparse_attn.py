@@ -420,7 +420,8 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
     kv_block = bool(block_table.shape[0] and q.shape[0] * kv_heads > KV_BLOCK_ABOVE_ROWS
                     and kv_major_fits(q.shape[1] // kv_heads, dot_f32))
     # The KV-block launches read only the union launch's row marks, so they run beside the tile attention, forked
-    # right after the union launch.
+    # right after the union launch; issued after the tile attention where the GPU would wait for them
+    # (``_stream_idle``), else before it.
     beside = _beside_stream(q.device) if kv_block and q.is_cuda else None
     caller = torch.cuda.current_stream(q.device) if beside is not None else None
     host_behind = caller is not None and _stream_idle(caller)
