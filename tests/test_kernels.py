@@ -855,6 +855,7 @@ def test_prefill_kv_block_launches_start_beside_the_tile_kernel(gpu_busy, monkey
     block and the 15 before it: every row tiled, a tile kernel of ~2 ms, longer than a slow host takes to issue
     the KV-block launches (~1 ms under the profiler)."""
     import json
+    import pathlib
     from torch.profiler import ProfilerActivity, profile
     from m3sparse.kernels import sparse_attn
     if torch.cuda.get_device_capability() != (9, 0):
@@ -868,8 +869,9 @@ def test_prefill_kv_block_launches_start_beside_the_tile_kernel(gpu_busy, monkey
             torch.tensor([0, tokens], dtype=torch.int32, device="cuda"),
             torch.tensor([tokens], dtype=torch.int32, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda"),
             tokens)
-    own = torch.arange(tokens, device="cuda") // bs
-    ids = torch.stack([torch.where(own >= j, own - j, -1) for j in range(16)], -1).int()[None]
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    from tile_fixed_cost import fixed_union_ids  # its premise is tested in test_bench_scripts
+    ids = fixed_union_ids(tokens, 16, "cuda")
     q = torch.randn(tokens, 16, 128, device="cuda", generator=gen).bfloat16()
     out = torch.empty_like(q)
     m3sparse.sparse_attn_prefill(q, kv, ids, *meta, out=out)
