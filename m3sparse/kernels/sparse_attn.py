@@ -176,6 +176,10 @@ ONE_SPLIT_CHUNK, SHORT_SECOND_WAVE = 64, 208
 # row): 512 rows 217-229 -> 110-134, 1k on 0 351-354 -> 188-199, 1k on 120k 222-232 -> 122-180. From 2k rows on
 # 120k the KV-block launches save more GPU time than that (random: 235 against 334 us; docs/perf-notes.md v30).
 KV_BLOCK_ABOVE_ROWS = 1024
+# Prefill tiles whose block union is at most this share of rows x k go through the tile kernel, the others by KV
+# block (or the per-row kernel): 44 of a 4-row tile's 64 ids, the break-even against the per-row kernel on random
+# selections at 32k (tile-only 5.23 ms at a mean union of ~50, per row 4.7-4.9; docs/perf-notes.md v3).
+TILE_MAX_UNION_SHARE = 11 / 16
 
 
 class _Scales:
@@ -409,9 +413,7 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
     dot_f32 = dot_in_fp32(q.dtype, kv_cache.dtype)
     tq = rows_per_tile(q.shape[1] // kv_cache.shape[1], topk, dot_f32)
     if max_union is None:
-        # Break-even measured on the H200 (docs/perf-notes.md): a tile of 4 rows x 16 ids is cheaper through
-        # the tile kernel up to ~44 distinct blocks.
-        max_union = tq * topk * 11 // 16
+        max_union = int(tq * topk * TILE_MAX_UNION_SHARE)
     # The tiles' rows left over (unions over max_union: selections the rows do not share) by KV block, in batches
     # over KV_BLOCK_ABOVE_ROWS where it fits. H200, attention op, ms (per-row kernel -> by KV block): random
     # selections 8k on 120k 1.24 -> 0.71, 32k 3.51 -> 2.52, 128k 16.5 -> 10.2; where the tiles leave no row, ~20 us
