@@ -177,9 +177,11 @@ ONE_SPLIT_CHUNK, SHORT_SECOND_WAVE = 64, 208
 # 120k the KV-block launches save more GPU time than that (random: 235 against 334 us; docs/perf-notes.md v30).
 KV_BLOCK_ABOVE_ROWS = 1024
 # Prefill tiles whose block union is at most this share of rows x k go through the tile kernel, the others by KV
-# block (or the per-row kernel): 44 of a 4-row tile's 64 ids, the break-even against the per-row kernel on random
-# selections at 32k (tile-only 5.23 ms at a mean union of ~50, per row 4.7-4.9; docs/perf-notes.md v3).
-TILE_MAX_UNION_SHARE = 11 / 16
+# block (or the per-row kernel): 32 of a 4-row tile's 64 ids. H200, attention op, back to back, best / median of six
+# rounds in rotated order, ms, 44 (v3's break-even against the per-row kernel) -> 32: 32k random 2.174 / 2.211 ->
+# 2.078 / 2.087; 128k random 8.708 / 8.820 -> 8.729 / 8.928, 128k locality 4.858 / 5.286 -> 4.752 / 5.283, 32k
+# locality 1.182 / 1.293 -> 1.295 / 1.307, 8k on 120k random 0.609 / 0.610 -> 0.609 / 0.611 (docs/perf-notes.md v50).
+TILE_MAX_UNION_SHARE = 1 / 2
 
 
 class _Scales:
