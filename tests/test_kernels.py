@@ -760,6 +760,46 @@ def test_prefill_by_kv_block_any_batch(target, requests, group, kv_heads, topk, 
     assert rel_err(out, batch.attn_prefill(ids, impl=reference)) <= attn_tol(target, dtype)
 
 
+@pytest.mark.parametrize("scan_buckets", [0, None])
+def test_prefill_kv_block_counters_from_poisoned_scratch(target, scan_buckets, monkeypatch):
+    """Every torch.empty of the call filled with 0xA5 bytes first: the union launch must zero the KV-block
+    launches' counters (and tickets) of every pass, the rank launch's last program (or, over SCAN_BUCKETS buckets,
+    the cumsum) must write all their running sums; tiles take some rows, the KV-block launches the others, in
+    passes of 7 rows. Output poisoned first, against the reference."""
+    from m3sparse.kernels import sparse_attn, sparse_attn_kv_major
+    from m3sparse.kernels.sparse_attn import sparse_attn_prefill
+    monkeypatch.setattr(sparse_attn, "_row_attn", None)
+    monkeypatch.setattr(sparse_attn, "KV_BLOCK_ABOVE_ROWS", 0)
+    if scan_buckets is not None:
+        monkeypatch.setattr(sparse_attn_kv_major, "SCAN_BUCKETS", scan_buckets)
+    dtype = act_dtype(target) if target == "cuda" else torch.float16  # 16-bit dots on the GPU (kv_major_fits)
+    batch = make_batch(requests=[(150, 40), (0, 100), (70, 3)], heads=8, kv_heads=2, block_size=16,
+                       q_dtype=act_dtype(target), kv_dtype=dtype, seed=21, device=device_of(target))
+    monkeypatch.setattr(sparse_attn_kv_major, "PASS_BYTES", 7 * 4 * batch.q.shape[1] * batch.q.shape[2] *
+                        batch.q.element_size())
+    monkeypatch.setattr(sparse_attn_kv_major, "SCAN_BLOCK", 16)  # several blocks of the scan's loop
+    ids = batch.index_prefill(impl=reference, topk=4)
+    ref = batch.attn_prefill(ids, impl=reference)
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        t.view(torch.uint8).fill_(0xA5)
+        return t
+    monkeypatch.setattr(torch, "empty", poisoned)
+    scans = []
+    launch = sparse_attn_kv_major.launch
+    monkeypatch.setattr(sparse_attn_kv_major, "launch", lambda kernel, grid, *a, **meta: (
+        scans.append(meta["SCAN"]) if kernel is sparse_attn_kv_major._pair_rank_kernel else None,
+        launch(kernel, grid, *a, **meta))[1])
+    out = torch.full_like(batch.q, float("nan"))
+    sparse_attn_prefill(batch.q, batch.kv_cache, ids, batch.block_table, **batch.prefill_meta(), scale=128 ** -0.5,
+                        out=out, k_scale=batch.k_scale, v_scale=batch.v_scale, max_union=6)
+    assert scans == [scan_buckets is None] * 21  # 143 rows: 20 passes of 7, then 3
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    assert rel_err(out, ref) <= attn_tol(target, dtype)
+
+
 @pytest.mark.parametrize("tiles_take", ["some", "all"])
 @pytest.mark.parametrize("pass_rows", [None, 7])
 def test_prefill_tiles_and_kv_block_rows_mixed(target, tiles_take, pass_rows, monkeypatch):

@@ -14,6 +14,7 @@ per-row kernel, whose short programs hide latency better.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 import triton
@@ -25,7 +26,7 @@ from .dependent_launch import PDL_EARLY, chained_launch, dependent_launch_works,
 from .launch import launch, launch_each
 from .online_softmax import attend_keys, store_rows
 from .rows import locate_prefill
-from .sparse_attn_kv_major import kv_major_fits, sparse_attn_kv_major
+from .sparse_attn_kv_major import counter_words, kv_major_fits, sparse_attn_kv_major
 from .sparse_attn_tiles import _sparse_attn_tiles_kernel
 from .tile_order import order_tile_rows
 
@@ -279,15 +280,16 @@ def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
 
 
 def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32, prefill=None,
-               decode=None, splits=1, pdl=0, after_union=None):
+               decode=None, splits=1, pdl=0, after_union=None, counter_words=0):
     """The tile kernel over tiles whose block union <= max_union. Prefill: ``prefill`` = (cu_seqlens_q,
     context_lens), the unions built by a launch of their own before the attention's; decode: ``decode`` =
     (seq_lens, decode_query_len), one tile of tq >= decode_query_len rows per request, its union split over
     ``splits`` programs that each build it, chained by dependent launch as ``pdl`` says (PDL_*). ``after_union``
-    (prefill): a function of the row marks called right after the union launch, which may return a function to
-    call after the attention's launch (launches that read only the marks fork there and may be issued once the
-    attention is queued). Returns, in prefill, which rows the tile kernel computed ([T, Hkv] int8, a view of the
-    scratch the attention launch reads: keep it until every launch that reads it has run)."""
+    (prefill): a function of the row marks and ``counter_words`` int32 words the union launch zeroed, called right
+    after the union launch, which may return a function to call after the attention's launch (launches that read
+    only the marks fork there and may be issued once the attention is queued). Returns, in prefill, which rows the
+    tile kernel computed ([T, Hkv] int8, a view of the scratch the attention launch reads: keep it until every
+    launch that reads it has run)."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     batch = block_table.shape[0]
@@ -303,15 +305,20 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     order_group = next((g for rows, g in TILE_ORDER_GROUPS if num_tokens >= rows), 0) if apart else 0
     ordered = order_group > 0 and tq > 1
     # One allocation for the union scratch [tiles, Hkv, splits, 3, tq * k_pad] and, for a union launch apart (prefill),
-    # the union sizes and tile rows [7, tiles, Hkv], the rows of the tiles' slots [T, Hkv] (int32, if ordered) and
-    # the row marks [T, Hkv] (int8): each allocation is host time before the first kernel of an eager prefill.
+    # the union sizes and tile rows [7, tiles, Hkv], the rows of the tiles' slots [T, Hkv] (int32, if ordered), the
+    # counters it zeroes (int32) and the row marks [T, Hkv] (int8): each allocation is host time before the first
+    # kernel of an eager prefill.
     union_size = tiles * kv_heads * splits * 3 * tq * topk_pad
     sizes_words = 7 * tiles * kv_heads if apart else 0
     order_words = cdiv(num_tokens * kv_heads, 2) if ordered else 0
+    zero_words = cdiv(counter_words, 2) if apart else 0
     marks_words = cdiv(num_tokens * kv_heads, 8) if apart else 0
-    union = torch.empty(union_size + sizes_words + order_words + marks_words, dtype=torch.int64, device=q.device)
+    union = torch.empty(union_size + sizes_words + order_words + zero_words + marks_words, dtype=torch.int64,
+                        device=q.device)
     counts = union[union_size:union_size + sizes_words]
-    marks = union[union_size + sizes_words + order_words:].view(torch.int8)
+    zero_start = union_size + sizes_words + order_words
+    counters = union[zero_start:zero_start + zero_words].view(torch.int32)[:counter_words]
+    marks = union[zero_start + zero_words:].view(torch.int8)
     order = topk_ids  # unread
     if ordered:
         order = union[union_size + sizes_words:union_size + sizes_words + order_words].view(torch.int32)
@@ -320,7 +327,8 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     args = (q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3], topk_ids, *topk_ids.stride(), block_table,
             block_table.stride(0), block_table.shape[1], num_pages, union, counts, marks, order, cu, ctx, seq_lens, dql,
             batch, kv_heads, max_union, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, out, *out.stride()[:2],
-            m, l, acc, splits)
+            m, l, acc, splits, union, 0)
+    union_args = args[:-2] + (counters, counters.numel())
     consts = dict(G=group, GP=next_pow2(group), TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N),
                   D=dim, TOPK=topk, TOPK_PAD=topk_pad, K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
                   IS_DECODE=decode is not None, WRITE_OUT=splits == 1, ORDERED=ordered, PDL=pdl)
@@ -328,10 +336,10 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     # ``after_union`` deferred; decode: one launch.
     deferred = None
     if apart:
-        launch_each(_sparse_attn_tiles_kernel, args, [((tiles, kv_heads, 1), dict(
+        launch_each(_sparse_attn_tiles_kernel, union_args, [((tiles, kv_heads, 1), dict(
             consts, BUILD_UNION=True, ATTEND=False, num_warps=UNION_WARPS, num_stages=1))])
         if after_union is not None:
-            deferred = after_union(marks)
+            deferred = after_union(marks, counters)
     hopper = _hopper_tiles(q, kv_cache, tq, sc) if apart else None
     if hopper is not None:
         hopper(q, kv_cache, union, counts, order, tiles, tq, tq * topk_pad, max_union, sc.k_mult, sc.v_val, out,
@@ -356,11 +364,34 @@ def _on(stream: torch.cuda.Stream | None):
         yield
 
 
+# Per thread (a record and its wait must not interleave with another thread's), per device and direction: an
+# event's wait takes its latest record at the time of the wait, so one event serves every call.
+_EVENTS = threading.local()
+
+
+def _wait(waiter: torch.cuda.Stream, stream: torch.cuda.Stream, direction: int) -> None:
+    """``waiter.wait_stream(stream)`` with a cached event (``wait_stream`` creates one per call)."""
+    events = getattr(_EVENTS, "by_key", None)
+    if events is None:
+        events = _EVENTS.by_key = {}
+    key = (stream.device_index, direction)
+    event = events.get(key)
+    if event is None:
+        event = events[key] = torch.cuda.Event()
+    event.record(stream)
+    waiter.wait_event(event)
+
+
 def _fork(stream: torch.cuda.Stream | None, caller: torch.cuda.Stream | None) -> None:
     """``stream``'s later launches run after everything ``caller`` holds so far, and not after what it is given
-    from here on. The caller joins it back (``wait_stream``) before the tensors its launches read are freed."""
+    from here on. The caller joins it back (``_join``) before the tensors its launches read are freed."""
     if stream is not None:
-        stream.wait_stream(caller)
+        _wait(stream, caller, 0)
+
+
+def _join(caller: torch.cuda.Stream, stream: torch.cuda.Stream) -> None:
+    """``caller``'s later launches run after everything ``stream`` holds so far."""
+    _wait(caller, stream, 1)
 
 
 _BESIDE: dict[int, torch.cuda.Stream] = {}
@@ -430,29 +461,30 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
     caller = torch.cuda.current_stream(q.device) if beside is not None else None
     host_behind = caller is not None and _stream_idle(caller)
 
-    def kv_block_rows(marks):
+    def kv_block_rows(marks, counters):
         with _on(beside):
             sparse_attn_kv_major(q, kv_cache, topk_ids, block_table, cu_seqlens_q, context_lens, seq_lens, sc, out,
-                                 marks, dot_f32)
+                                 marks, dot_f32, counters)
 
-    def fork_kv_block_rows(marks):
+    def fork_kv_block_rows(marks, counters):
         _fork(beside, caller)
         if host_behind:
-            return lambda: kv_block_rows(marks)
-        kv_block_rows(marks)
+            return lambda: kv_block_rows(marks, counters)
+        kv_block_rows(marks, counters)
         return None
 
     tiled = None
     if block_table.shape[0] and max_query_len:
         tiles = cdiv(q.shape[0], tq) + block_table.shape[0]  # bounds the tile count whatever the lengths
         tiled = _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32,
-                           prefill=(cu_seqlens_q, context_lens), after_union=fork_kv_block_rows if kv_block else None)
+                           prefill=(cu_seqlens_q, context_lens), after_union=fork_kv_block_rows if kv_block else None,
+                           counter_words=counter_words(q, kv_cache, topk_ids, block_table) if kv_block else 0)
     if kv_block:
         if tiled is None:
             _fork(beside, caller)
-            kv_block_rows(None)
+            kv_block_rows(None, None)
         if beside is not None:
-            caller.wait_stream(beside)
+            _join(caller, beside)
         return out
     return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, 0, sc, out, 1, dot_f32,
                      (cu_seqlens_q, context_lens), tiled)

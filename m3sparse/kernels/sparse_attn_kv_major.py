@@ -12,12 +12,13 @@ for all of it; docs/perf-notes.md v21).
 
 Launches, all sync-free (buffers sized by the pair count's bound, Hkv x rows x k):
 1. ``_pair_rank_kernel``: each valid pair (a row's first occurrence of an id in the cache and at or before its
-   own block, of a row the tile kernel did not compute) takes a rank in its bucket by an atomic add.
-2. one cumsum of the bucket's pair and chunk counts;
-3. ``_pair_fill_kernel``: the pair list in bucket order, and an entry (bucket, first pair, pairs) per chunk;
-4. ``_kv_major_attn_kernel``: one program per chunk entry (on Hopper, for 16-bit caches of the queries' dtype,
+   own block, of a row the tile kernel did not compute) takes a rank in its bucket by an atomic add, on counters
+   the union launch zeroed (``counter_words``; else a memset), and the last of its programs turns the bucket's
+   pair and chunk counts into running sums (or, with more than SCAN_BUCKETS buckets, a cumsum launch after it);
+2. ``_pair_fill_kernel``: the pair list in bucket order, and an entry (bucket, first pair, pairs) per chunk;
+3. ``_kv_major_attn_kernel``: one program per chunk entry (on Hopper, for 16-bit caches of the queries' dtype,
    ``sparse_attn_kv_major_gluon``'s kernel, which does the same with TMA copies);
-5. ``_merge_pairs_kernel``: per (row, KV head), the log-sum-exp merge of the row's pairs into ``out``.
+4. ``_merge_pairs_kernel``: per (row, KV head), the log-sum-exp merge of the row's pairs into ``out``.
 Batches whose partials would exceed PASS_BYTES run in passes of consecutive rows.
 """
 from __future__ import annotations
@@ -43,6 +44,10 @@ RANK_ROWS = 16
 # tile kernel each takes a freed slot. H200, attention op ms, 1 / 4 / 8 rows: 128k locality 5.20 / 4.90 / 4.73,
 # 128k random 8.66 / 8.53 / 9.03, 8k on 120k random 0.741 / 0.721 / 0.855 (docs/perf-notes.md v46).
 MERGE_ROWS = 4
+# Buckets up to which the rank launch's last program writes the counts' running sums, SCAN_BLOCK at a time: one
+# torch launch less per pass (host time before an eager prefill's kernels); more buckets take torch.cumsum, whose
+# parallel scan a single program's loop would lose to (a 128k sequence has 2048 buckets).
+SCAN_BUCKETS, SCAN_BLOCK = 8192, 2048
 
 
 def _hopper_kv_block(q, kv_cache, sc):
@@ -95,11 +100,27 @@ def _valid_pairs(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, i, g, 
 
 
 @triton.jit
+def _running_sums(count_ptr, cum_ptr, NB, BLOCK: tl.constexpr):
+    """cum_ptr[j, :] = the running sums of count_ptr[j, :] (j = 0, 1; NB words each), BLOCK words at a time. The
+    counts are read past the L1: other programs' atomics wrote them."""
+    lane = tl.arange(0, BLOCK)
+    for j in tl.static_range(2):
+        carry = tl.full([], 0, tl.int32)
+        for s in range(0, NB, BLOCK):
+            c = tl.load(count_ptr + j * NB + s + lane, mask=s + lane < NB, other=0, volatile=True)
+            tl.store(cum_ptr + j * NB + s + lane, tl.cumsum(c, 0) + carry, mask=s + lane < NB)
+            carry += tl.sum(c, 0)
+
+
+@triton.jit
 def _pair_rank_kernel(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, BATCH, HKV, width, r0, r1, i0,
-                      count_ptr, rank_ptr, NB, R: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr,
-                      TOPK_PAD: tl.constexpr, CHUNK: tl.constexpr, MARKED: tl.constexpr):
+                      count_ptr, rank_ptr, NB, cum_ptr, R: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr,
+                      TOPK_PAD: tl.constexpr, CHUNK: tl.constexpr, MARKED: tl.constexpr, SCAN: tl.constexpr,
+                      SCAN_BLOCK: tl.constexpr):
     """Program (tile i0 + program id of R rows, KV head g): rank_ptr[g, row - r0, slot] = the pair's rank in its
-    bucket (-1: not a pair); count_ptr[0, bucket] counts the bucket's pairs, count_ptr[1, bucket] its chunks."""
+    bucket (-1: not a pair); count_ptr[0, bucket] counts the bucket's pairs, count_ptr[1, bucket] its chunks (zero
+    on entry, as the ticket count_ptr[2 x NB]). SCAN: the program that finishes last writes their running sums to
+    cum_ptr [2, NB]."""
     i = i0 + tl.program_id(0)
     g = tl.program_id(1)
     ok, bucket, t, own = _valid_pairs(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, i, g, BATCH, HKV,
@@ -109,6 +130,12 @@ def _pair_rank_kernel(ids_ptr, id_sh, id_st, id_sk, cu_ptr, ctx_ptr, mark_ptr, B
     k = tl.arange(0, TOPK_PAD)
     tl.store(rank_ptr + (g * (r1 - r0) + t[:, None]) * TOPK + k[None, :], tl.where(ok, rank, -1),
              mask=own[:, None] & (k < TOPK)[None, :])
+    if SCAN:
+        # Every thread's atomics (acq_rel, at gpu scope) come before the barrier, the ticket's release after it:
+        # the program that draws the last ticket sees every program's counts.
+        tl.debug_barrier()
+        if tl.atomic_add(count_ptr + 2 * NB, 1) == tl.num_programs(0) * tl.num_programs(1) - 1:
+            _running_sums(count_ptr, cum_ptr, NB, SCAN_BLOCK)
 
 
 @triton.jit
@@ -272,11 +299,30 @@ def _merge_pair_row(o_ptr, lse_ptr, rank_ptr, mark_ptr, cu_ptr, BATCH, r0, rows,
                  mask=(h < G)[:, None])
 
 
+def _buckets_and_pass_rows(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torch.Tensor,
+                           block_table: torch.Tensor) -> tuple[int, int]:
+    """(buckets: two per (KV head, request, block), for the own rows and the others; rows per launch pass)."""
+    _, num_heads, dim = q.shape
+    batch, width = block_table.shape
+    nb = max(1, 2 * kv_cache.shape[1] * batch * width)
+    return nb, max(1, PASS_BYTES // (topk_ids.shape[2] * num_heads * dim * q.element_size()))
+
+
+def counter_words(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torch.Tensor, block_table: torch.Tensor) -> int:
+    """int32 words of the zeroed counters ``sparse_attn_kv_major`` takes for this batch: per launch pass, the
+    buckets' pair and chunk counts and the rank launch's ticket."""
+    nb, rows_per_pass = _buckets_and_pass_rows(q, kv_cache, topk_ids, block_table)
+    return cdiv(q.shape[0], rows_per_pass) * (2 * nb + 1)
+
+
 def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torch.Tensor, block_table: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, seq_lens: torch.Tensor, sc,
-                         out: torch.Tensor, marks: torch.Tensor | None, dot_f32: bool) -> None:
+                         out: torch.Tensor, marks: torch.Tensor | None, dot_f32: bool,
+                         counters: torch.Tensor | None = None) -> None:
     """Prefill attention of the rows ``marks`` ([T, Hkv] int8, per KV head; None: every row) leaves at 0, into
-    ``out`` [T, H, D]. ``sc``: the launch's fp8 scale arguments (``sparse_attn._Scales``)."""
+    ``out`` [T, H, D]. ``sc``: the launch's fp8 scale arguments (``sparse_attn._Scales``). ``counters``: int32
+    zeros, ``counter_words`` of them or more (the union launch zeroes them: a memset launch less); None: zeroed
+    here."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     topk = topk_ids.shape[2]
@@ -284,8 +330,11 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
     group = num_heads // kv_heads
     gp = next_pow2(group)
     tq = max(1, 64 // gp)
-    nb = max(1, 2 * kv_heads * batch * width)  # two buckets per (KV head, request, block): own rows, others
-    rows_per_pass = max(1, PASS_BYTES // (topk * num_heads * dim * q.element_size()))
+    nb, rows_per_pass = _buckets_and_pass_rows(q, kv_cache, topk_ids, block_table)
+    scan = nb <= SCAN_BUCKETS
+    if counters is None:
+        counters = torch.zeros(counter_words(q, kv_cache, topk_ids, block_table), dtype=torch.int32,
+                               device=q.device)
     marked = marks is not None
     hopper = _hopper_kv_block(q, kv_cache, sc)
     mark_arg = marks if marked else topk_ids
@@ -294,13 +343,16 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
         rows = r1 - r0
         max_pairs = kv_heads * rows * topk
         max_chunks = max_pairs // CHUNK + min(nb, max_pairs)
-        counts = torch.zeros(2, nb, dtype=torch.int32, device=q.device)
-        # One allocation (host time per call) for the ranks, pair list, chunk table and the pairs' log-sum-exps.
-        ints = torch.empty(2 * max_pairs + 3 * max_chunks + rows * topk * num_heads, dtype=torch.int32,
+        first = r0 // rows_per_pass * (2 * nb + 1)
+        counts = counters[first:first + 2 * nb + 1]  # and the ticket
+        # One allocation (host time per call) for the ranks, pair list, chunk table, the counts' running sums and
+        # the pairs' log-sum-exps.
+        ints = torch.empty(2 * max_pairs + 3 * max_chunks + 2 * nb + rows * topk * num_heads, dtype=torch.int32,
                            device=q.device)
         rank, pairs = ints[:max_pairs], ints[max_pairs:2 * max_pairs]
         table = ints[2 * max_pairs:2 * max_pairs + 3 * max_chunks]
-        part_lse = ints[2 * max_pairs + 3 * max_chunks:].view(torch.float32)
+        cum = ints[2 * max_pairs + 3 * max_chunks:2 * max_pairs + 3 * max_chunks + 2 * nb]
+        part_lse = ints[2 * max_pairs + 3 * max_chunks + 2 * nb:].view(torch.float32)
         part_o = torch.empty(rows, topk, num_heads, dim, dtype=q.dtype, device=q.device)
         # Tile i of R rows (numbered request by request) starts at a row in [(i - batch) x R, i x R]: the tiles
         # that hold rows of the pass are among r0 // R ... cdiv(r1, R) + batch - 1.
@@ -309,8 +361,10 @@ def sparse_attn_kv_major(q: torch.Tensor, kv_cache: torch.Tensor, topk_ids: torc
         select = (topk_ids, *topk_ids.stride(), cu_seqlens_q, context_lens, mark_arg, batch, kv_heads, width, r0, r1,
                   i0)
         shape = dict(R=RANK_ROWS, BS=bs, TOPK=topk, TOPK_PAD=ids_pad(topk), CHUNK=CHUNK, MARKED=marked)
-        launch(_pair_rank_kernel, grid, *select, counts, rank, nb, **shape, num_warps=4)
-        cum = torch.cumsum(counts, 1, dtype=torch.int32)
+        launch(_pair_rank_kernel, grid, *select, counts, rank, nb, cum, **shape, SCAN=scan, SCAN_BLOCK=SCAN_BLOCK,
+               num_warps=4)
+        if not scan:
+            torch.cumsum(counts[:2 * nb].view(2, nb), 1, dtype=torch.int32, out=cum.view(2, nb))
         launch(_pair_fill_kernel, grid, *select, counts, cum, rank, pairs, table, max_chunks, nb, **shape,
                num_warps=4)
         if hopper is not None:

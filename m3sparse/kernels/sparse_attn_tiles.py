@@ -215,10 +215,21 @@ def _attend_union(entries, lo, hi, n_all, n_full, q_ptr, q_st, q_sh, kv_ptr, kv_
 
 
 @triton.jit
+def _zero_share(ptr, words, p, programs):
+    """Zero program p's share of the int32 words ptr[:words], shared out over ``programs``."""
+    per = tl.cdiv(words, programs)
+    end = tl.minimum(p * per + per, words)
+    lane = tl.arange(0, 128)
+    for s in range(p * per, end, 128):
+        tl.store(ptr + s + lane, tl.zeros([128], tl.int32), mask=s + lane < end)
+
+
+@triton.jit
 def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr, id_sh, id_st, id_sk, bt_ptr,
                               bt_sb, width, num_pages, union_ptr, count_ptr, row_ptr, order_ptr, cu_ptr, ctx_ptr,
                               seq_ptr, DQL, BATCH, HKV, MAX_UNION, ks_ptr, ks_sh, vs_ptr, vs_sh, scale, v_factor,
-                              o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, SPLITS, G: tl.constexpr, GP: tl.constexpr,
+                              o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, SPLITS, zero_ptr, ZERO_WORDS,
+                              G: tl.constexpr, GP: tl.constexpr,
                               TQ: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                               TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr,
                               V_SCALE: tl.constexpr, DOT_F32: tl.constexpr, IS_DECODE: tl.constexpr,
@@ -231,7 +242,8 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
     (prefill): only the union (split 0's scratch), its (size, n_all, n_full), the tile's (first slot, rows,
     position - row index) and its request's last position (count_ptr [7, tiles, Hkv], int64; size -1 on the grid's
     tail) and a mark on the rows of tiles the attention will compute (row_ptr [T, Hkv], int8: the per-row kernel
-    computes the others); ATTEND alone: only the attention, over what such a launch wrote. Decode: tile b is
+    computes the others), and zero_ptr[:ZERO_WORDS] zeroed (int32: the KV-block launches' counters); ATTEND alone:
+    only the attention, over what such a launch wrote. Decode: tile b is
     request b's DQL rows (positions seq_lens[b] - DQL ...); with SPLITS > 1 the partials go to m/l/acc_ptr [T,
     SPLITS, H(, D)]."""
     N: tl.constexpr = TQ * TOPK_PAD
@@ -239,6 +251,9 @@ def _sparse_attn_tiles_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, id
     i = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
+    if BUILD_UNION:
+        if not ATTEND:
+            _zero_share(zero_ptr, ZERO_WORDS, i * HKV + g, tl.num_programs(0) * HKV)
     if IS_DECODE:
         b = i
     else:
