@@ -280,12 +280,12 @@ def rows_per_tile(group: int, topk: int, dot_f32: bool) -> int:
 
 
 def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32, prefill=None,
-               decode=None, splits=1, pdl=0, after_union=None, counter_words=0):
+               decode=None, splits=1, pdl=0, after_union=None, zeroed_words=0):
     """The tile kernel over tiles whose block union <= max_union. Prefill: ``prefill`` = (cu_seqlens_q,
     context_lens), the unions built by a launch of their own before the attention's; decode: ``decode`` =
     (seq_lens, decode_query_len), one tile of tq >= decode_query_len rows per request, its union split over
     ``splits`` programs that each build it, chained by dependent launch as ``pdl`` says (PDL_*). ``after_union``
-    (prefill): a function of the row marks and ``counter_words`` int32 words the union launch zeroed, called right
+    (prefill): a function of the row marks and ``zeroed_words`` int32 words the union launch zeroed, called right
     after the union launch, which may return a function to call after the attention's launch (launches that read
     only the marks fork there and may be issued once the attention is queued). Returns, in prefill, which rows the
     tile kernel computed ([T, Hkv] int8, a view of the scratch the attention launch reads: keep it until every
@@ -311,13 +311,13 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     union_size = tiles * kv_heads * splits * 3 * tq * topk_pad
     sizes_words = 7 * tiles * kv_heads if apart else 0
     order_words = cdiv(num_tokens * kv_heads, 2) if ordered else 0
-    zero_words = cdiv(counter_words, 2) if apart else 0
+    zero_words = cdiv(zeroed_words, 2) if apart else 0
     marks_words = cdiv(num_tokens * kv_heads, 8) if apart else 0
     union = torch.empty(union_size + sizes_words + order_words + zero_words + marks_words, dtype=torch.int64,
                         device=q.device)
     counts = union[union_size:union_size + sizes_words]
     zero_start = union_size + sizes_words + order_words
-    counters = union[zero_start:zero_start + zero_words].view(torch.int32)[:counter_words]
+    zeroed = union[zero_start:zero_start + zero_words].view(torch.int32)[:zeroed_words]
     marks = union[zero_start + zero_words:].view(torch.int8)
     order = topk_ids  # unread
     if ordered:
@@ -328,7 +328,6 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
             block_table.stride(0), block_table.shape[1], num_pages, union, counts, marks, order, cu, ctx, seq_lens, dql,
             batch, kv_heads, max_union, sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, out, *out.stride()[:2],
             m, l, acc, splits, union, 0)
-    union_args = args[:-2] + (counters, counters.numel())
     consts = dict(G=group, GP=next_pow2(group), TQ=tq, BS=bs, BLOCK_N=min(bs, 32 if dot_f32 else TILE_BLOCK_N),
                   D=dim, TOPK=topk, TOPK_PAD=topk_pad, K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
                   IS_DECODE=decode is not None, WRITE_OUT=splits == 1, ORDERED=ordered, PDL=pdl)
@@ -336,10 +335,10 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     # ``after_union`` deferred; decode: one launch.
     deferred = None
     if apart:
-        launch_each(_sparse_attn_tiles_kernel, union_args, [((tiles, kv_heads, 1), dict(
+        launch_each(_sparse_attn_tiles_kernel, args[:-2] + (zeroed, zeroed.numel()), [((tiles, kv_heads, 1), dict(
             consts, BUILD_UNION=True, ATTEND=False, num_warps=UNION_WARPS, num_stages=1))])
         if after_union is not None:
-            deferred = after_union(marks, counters)
+            deferred = after_union(marks, zeroed)
     hopper = _hopper_tiles(q, kv_cache, tq, sc) if apart else None
     if hopper is not None:
         hopper(q, kv_cache, union, counts, order, tiles, tq, tq * topk_pad, max_union, sc.k_mult, sc.v_val, out,
@@ -478,7 +477,7 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
         tiles = cdiv(q.shape[0], tq) + block_table.shape[0]  # bounds the tile count whatever the lengths
         tiled = _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union, dot_f32,
                            prefill=(cu_seqlens_q, context_lens), after_union=fork_kv_block_rows if kv_block else None,
-                           counter_words=counter_words(q, kv_cache, topk_ids, block_table) if kv_block else 0)
+                           zeroed_words=counter_words(q, kv_cache, topk_ids, block_table) if kv_block else 0)
     if kv_block:
         if tiled is None:
             _fork(beside, caller)
