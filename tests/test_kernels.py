@@ -702,6 +702,17 @@ def test_prefill_rows_by_kv_block(target, kv_dtype, scale_kind, pass_rows, monke
     assert (out[-pad:] == 0).all()
 
 
+def _rank_launch_settings(monkeypatch, name: str) -> list:
+    """The constexpr ``name`` of each KV-block rank launch from here on, in order (the launches still run)."""
+    from m3sparse.kernels import sparse_attn_kv_major
+    seen = []
+    launch = sparse_attn_kv_major.launch
+    monkeypatch.setattr(sparse_attn_kv_major, "launch", lambda kernel, grid, *a, **meta: (
+        seen.append(meta[name]) if kernel is sparse_attn_kv_major._pair_rank_kernel else None,
+        launch(kernel, grid, *a, **meta))[1])
+    return seen
+
+
 @pytest.mark.parametrize("chunk", [1, 3])
 def test_prefill_kv_block_chunks_split_buckets(target, chunk, monkeypatch):
     """Buckets cut into several chunks (CHUNK 1 or 3 pairs; with 3 a bucket's last chunk may be short), in passes of
@@ -711,11 +722,7 @@ def test_prefill_kv_block_chunks_split_buckets(target, chunk, monkeypatch):
     monkeypatch.setattr(sparse_attn, "_row_attn", None)
     monkeypatch.setattr(sparse_attn, "KV_BLOCK_ABOVE_ROWS", 0)
     monkeypatch.setattr(sparse_attn_kv_major, "CHUNK", chunk)
-    chunks = []
-    launch = sparse_attn_kv_major.launch
-    monkeypatch.setattr(sparse_attn_kv_major, "launch", lambda kernel, grid, *a, **meta: (
-        chunks.append(meta["CHUNK"]) if kernel is sparse_attn_kv_major._pair_rank_kernel else None,
-        launch(kernel, grid, *a, **meta))[1])
+    chunks = _rank_launch_settings(monkeypatch, "CHUNK")
     dtype = act_dtype(target) if target == "cuda" else torch.float16  # 16-bit dots on the GPU (kv_major_fits)
     batch = make_batch(requests=[(37, 29), (0, 45), (70, 3), (5, 1)], heads=8, kv_heads=2, block_size=16,
                        q_dtype=act_dtype(target), kv_dtype=dtype, seed=8, device=device_of(target))
@@ -787,11 +794,7 @@ def test_prefill_kv_block_counters_from_poisoned_scratch(target, scan_buckets, m
         t.view(torch.uint8).fill_(0xA5)
         return t
     monkeypatch.setattr(torch, "empty", poisoned)
-    scans = []
-    launch = sparse_attn_kv_major.launch
-    monkeypatch.setattr(sparse_attn_kv_major, "launch", lambda kernel, grid, *a, **meta: (
-        scans.append(meta["SCAN"]) if kernel is sparse_attn_kv_major._pair_rank_kernel else None,
-        launch(kernel, grid, *a, **meta))[1])
+    scans = _rank_launch_settings(monkeypatch, "SCAN")
     out = torch.full_like(batch.q, float("nan"))
     sparse_attn_prefill(batch.q, batch.kv_cache, ids, batch.block_table, **batch.prefill_meta(), scale=128 ** -0.5,
                         out=out, k_scale=batch.k_scale, v_scale=batch.v_scale, max_union=6)
