@@ -10,7 +10,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 # A fresh machine compiles every kernel variant first, one process at a time: the suite is compile-bound. With
 # pytest-xdist (on the lent image) ten workers ran all 273 GPU ids in 371 s on the H200 (16 cores, 2026-12-01).
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 10")
-timeout 900 python3 -m pytest -q -m gpu tests -p no:cacheprovider -x $workers --durations=15 2>&1 \
+# -v logs each test's outcome as it ends and SIGINT lets pytest print its summary (-rfE: what failed), so a run cut
+# short by the limit still names its failures (v50's was not).
+timeout -s INT 900 python3 -m pytest -v -m gpu tests -p no:cacheprovider -x $workers -rfE --durations=15 2>&1 \
   | tee "$out/gpu-tests.log" | tail -40
 timeout 300 compute-sanitizer --tool memcheck --error-exitcode 7 python3 -m pytest -q -p no:cacheprovider \
   "tests/test_gpu.py::test_adversarial_topk_buffer_memcheck" "tests/test_kernels.py::test_adversarial_and_permuted_ids" \
