@@ -771,8 +771,8 @@ def test_prefill_by_kv_block_any_batch(target, requests, group, kv_heads, topk, 
 def test_prefill_kv_block_counters_from_poisoned_scratch(target, scan_buckets, monkeypatch):
     """Every torch.empty of the call filled with 0xA5 bytes first: the union launch must zero the KV-block
     launches' counters (and tickets) of every pass, the rank launch's last program (or, over SCAN_BUCKETS buckets,
-    the cumsum) must write all their running sums; tiles take some rows, the KV-block launches the others, in
-    passes of 7 rows. Output poisoned first, against the reference."""
+    the cumsum) must write all their running sums; the KV-block launches take the rows whose tile unions are over
+    6 blocks, in passes of 7 rows. Output poisoned first, against the reference."""
     from m3sparse.kernels import sparse_attn, sparse_attn_kv_major
     from m3sparse.kernels.sparse_attn import sparse_attn_prefill
     monkeypatch.setattr(sparse_attn, "_row_attn", None)
