@@ -1025,13 +1025,15 @@ def hopper_prefill_batch(dtype, heads, kv_heads, seed, junk):
     """(batch, reference selections) at the Gluon kernels' shapes: block 128, chunks on cached prefixes, a request
     of 5 rows, one across a block edge, NaN in every unwritten cache slot. With junk: a share of the ids replaced by
     noise (repeats, negatives, past the row's own block or the table) and blocks whose pages lie outside the cache,
-    one of them request 1's last block."""
+    one of them request 1's last block, and request 0's rows 40-47 without a valid id (two tiles of consecutive
+    rows whose unions are empty)."""
     batch = make_batch(requests=[(9000, 700), (0, 2100), (3000, 5), (127, 130)], heads=heads, kv_heads=kv_heads,
                        block_size=128, q_dtype=dtype, kv_dtype=dtype, index_dtype=torch.bfloat16, seed=seed,
                        device="cuda")
     ids = batch.index_prefill(impl=reference)
     if junk:
         ids = noisy_ids(ids, 0.2, batch.block_table.shape[1] + 3, seed=heads)
+        ids[:, 40:48] = -1
         batch.block_table[0, 3] = -1
         batch.block_table[1, 2] = batch.kv_cache.shape[0] + 3
         batch.block_table[1, 2100 // 128] = -1
@@ -1046,12 +1048,15 @@ def hopper_prefill_batch(dtype, heads, kv_heads, seed, junk):
     (torch.float16, 16, 1, 10**6, 1e-3)])
 @pytest.mark.parametrize("order_group", [0, 32])
 @pytest.mark.parametrize("junk", [False, True])
+@pytest.mark.parametrize("per_program", [None, 3])
 def test_hopper_tile_attention_matches_reference(dtype, heads, kv_heads, max_union, scale, order_group, junk,
-                                                 monkeypatch):
+                                                 per_program, monkeypatch):
     """The Gluon tile attention (16-bit queries and cache of one dtype, sm_90): chunks on cached prefixes, tiles
     across block edges, tiles of consecutive or of permuted rows, NaN in every unwritten cache slot, all tiles or a
     mix with the per-row kernel, launched twice (the same output); the test fails if another kernel computed the
-    tiles. With junk: a share of the ids replaced by noise (repeats, negatives, past the row's own block or the
+    tiles. Each program walks the shipped number of tiles, or 3 (a program's last tile then is rarely a batch's
+    last, and some programs have fewer), so tiles of 0, 1 or 2 blocks and tiles left to the per-row kernel sit
+    between others in a program's stream of K copies. With junk: a share of the ids replaced by noise (repeats, negatives, past the row's own block or the
     table) and blocks whose pages lie outside the cache (no keys; masked per key, their V rows zeroed), one of them
     a request's last block. Blocks that only some rows of a tile chose, all of whose keys precede those rows (masked
     per row), occur wherever a tile's rows chose differently, as the reference selections here do."""
@@ -1060,6 +1065,8 @@ def test_hopper_tile_attention_matches_reference(dtype, heads, kv_heads, max_uni
     from m3sparse.kernels import sparse_attn, sparse_attn_tiles_gluon
     from m3sparse.kernels.sparse_attn import sparse_attn_prefill
     monkeypatch.setattr(sparse_attn, "TILE_ORDER_GROUPS", ((0, order_group),))
+    if per_program is not None:
+        monkeypatch.setattr(sparse_attn_tiles_gluon, "TILES_PER_PROGRAM", per_program)
     calls = []
     launch_hopper = sparse_attn_tiles_gluon.sparse_attn_tiles_hopper
     monkeypatch.setattr(sparse_attn_tiles_gluon, "sparse_attn_tiles_hopper",
