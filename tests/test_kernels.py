@@ -1048,15 +1048,12 @@ def hopper_prefill_batch(dtype, heads, kv_heads, seed, junk):
     (torch.float16, 16, 1, 10**6, 1e-3)])
 @pytest.mark.parametrize("order_group", [0, 32])
 @pytest.mark.parametrize("junk", [False, True])
-@pytest.mark.parametrize("per_program", [None, 3])
 def test_hopper_tile_attention_matches_reference(dtype, heads, kv_heads, max_union, scale, order_group, junk,
-                                                 per_program, monkeypatch):
+                                                 monkeypatch):
     """The Gluon tile attention (16-bit queries and cache of one dtype, sm_90): chunks on cached prefixes, tiles
     across block edges, tiles of consecutive or of permuted rows, NaN in every unwritten cache slot, all tiles or a
     mix with the per-row kernel, launched twice (the same output); the test fails if another kernel computed the
-    tiles. Each program walks the shipped number of tiles, or 3 (a program's last tile then is rarely a batch's
-    last, and some programs have fewer), so tiles of 0, 1 or 2 blocks and tiles left to the per-row kernel sit
-    between others in a program's stream of K copies. With junk: a share of the ids replaced by noise (repeats, negatives, past the row's own block or the
+    tiles. With junk: a share of the ids replaced by noise (repeats, negatives, past the row's own block or the
     table) and blocks whose pages lie outside the cache (no keys; masked per key, their V rows zeroed), one of them
     a request's last block. Blocks that only some rows of a tile chose, all of whose keys precede those rows (masked
     per row), occur wherever a tile's rows chose differently, as the reference selections here do."""
@@ -1065,8 +1062,6 @@ def test_hopper_tile_attention_matches_reference(dtype, heads, kv_heads, max_uni
     from m3sparse.kernels import sparse_attn, sparse_attn_tiles_gluon
     from m3sparse.kernels.sparse_attn import sparse_attn_prefill
     monkeypatch.setattr(sparse_attn, "TILE_ORDER_GROUPS", ((0, order_group),))
-    if per_program is not None:
-        monkeypatch.setattr(sparse_attn_tiles_gluon, "TILES_PER_PROGRAM", per_program)
     calls = []
     launch_hopper = sparse_attn_tiles_gluon.sparse_attn_tiles_hopper
     monkeypatch.setattr(sparse_attn_tiles_gluon, "sparse_attn_tiles_hopper",

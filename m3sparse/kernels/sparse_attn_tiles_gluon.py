@@ -1,17 +1,14 @@
 """Prefill tile attention for Hopper in Gluon: the attention launch of ``sparse_attn_tiles`` for 16-bit caches.
 
-Same work and result as ``_sparse_attn_tiles_kernel``'s attention launch (each (query tile, KV head) walks the union
-the union launch built, M = TQ x group rows), written where Triton's compiler leaves time on the table
-(docs/perf-notes.md v18, v41, v51):
-- a program walks TILES_PER_PROGRAM consecutive tiles as one stream of blocks: a tile's last steps copy the next
-  tile's first K blocks and its queries are read while the tile's output is written, so only a program's first
-  tile waits for its start (reading its union sizes, pages and rows, then the copies);
+Same work and result as ``_sparse_attn_tiles_kernel``'s attention launch (one program per (query tile, KV head),
+walking the union the union launch built, M = TQ x group rows), written where Triton's compiler leaves time on
+the table (docs/perf-notes.md v18, v41):
 - one step per block of the union: a 64 x 128 x 128 QK and a 64 x 128 x 128 PV wgmma, so the softmax's fixed
   work per step (row maxima across the quad, the accumulator rescale, the mbarrier and TMA bookkeeping) is paid
   once per 128 keys (v41: -26 % instructions per key against 64-key chunks);
 - Q waits in shared memory for the QK wgmma (a 64 x 128 score tile leaves no registers for Q), K arrives by TMA
   into a ring of two slots (block u + 2 is copied once QK(u) is done), V into one slot, copied once PV(u - 1) is
-  done (waited with QK(u)) and waited for after block u's softmax: 112 KB of shared memory and 255 registers keep
+  done (waited with QK(u)) and waited for after block u's softmax: 112 KB of shared memory and 240 registers keep
   two programs per SM, as the 64-key ring of three slots did;
 - a page is one block: its K and V are one 2D TMA copy each (rows (page x Hkv + head) x block of the cache seen as
   [rows, 2 x D]), so the loop issues no per-key address arithmetic.
@@ -23,7 +20,6 @@ cache zero the V rows the request has not written (stale slots could hold NaN, a
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -61,40 +57,9 @@ def _slot_rows(order_ptr, row0, slot, live, HKV, g, ORDERED: gl.constexpr):
 
 
 @gluon.jit
-def _tile_meta(count_ptr, t, end, g, HKV, num_tiles, MAX_UNION):
-    """Tile t's entries of count_ptr (``sparse_attn_tiles_hopper_kernel``'s) for KV head g, read if t < end:
-    (blocks the program walks: its union size, or 0 where it writes nothing; whether it writes its rows, n_all,
-    n_full, first slot, rows, position - row index, the request's last position)."""
-    here = t < end
-    at = count_ptr + t * HKV + g
-    size = gl.load(at, mask=here, other=-1).to(gl.int32)
-    walked = (size >= 0) & (size <= MAX_UNION)
-    return (gl.where(walked, size, 0), walked, gl.load(at + num_tiles, mask=here, other=0).to(gl.int32),
-            gl.load(at + 2 * num_tiles, mask=here, other=0).to(gl.int32),
-            gl.load(at + 3 * num_tiles, mask=here, other=0).to(gl.int32),
-            gl.load(at + 4 * num_tiles, mask=here, other=0).to(gl.int32),
-            gl.load(at + 5 * num_tiles, mask=here, other=0).to(gl.int32),
-            gl.load(at + 6 * num_tiles, mask=here, other=0).to(gl.int32))
-
-
-@gluon.jit
-def _tile_q(q_ptr, q_st, q_sh, order_ptr, row0, nrows, walked, g, HKV, rl, dl, G: gl.constexpr,
-            ORDERED: gl.constexpr):
-    """The M x D queries of a tile (zeros where it has no row or is not walked), in the layout of rl / dl."""
-    live = ((rl // G) < nrows) & walked
-    t_l = _slot_rows(order_ptr, row0, rl // G, live, HKV, g, ORDERED)
-    return gl.load(q_ptr + t_l[:, None] * q_st + (g * G + rl % G)[:, None] * q_sh + dl[None, :], mask=live[:, None],
-                   other=0.0)
-
-
-@gluon.jit
-def _stream_page(union_ptr, tile_id, next_id, p, count, next_count, N: gl.constexpr):
-    """The page of the p-th block of the program's stream from the tile's first: the tile's block p while p <
-    count, then the next tile's block p - count (the tiles' unions: tile_id's, next_id's); -1 past both."""
-    own = p < count
-    j = gl.where(own, p, p - count)
-    entries = union_ptr + gl.where(own, tile_id, next_id) * 3 * N
-    return gl.load(entries + N + gl.minimum(j, N - 1), mask=own | (j < next_count), other=-1).to(gl.int32)
+def _block_page(entries, u, count, N: gl.constexpr):
+    """The page of the union's block u (-1 past its count blocks)."""
+    return gl.load(entries + N + gl.minimum(u, N - 1), mask=u < count, other=-1).to(gl.int32)
 
 
 @gluon.jit
@@ -106,19 +71,21 @@ def _running_max(block_max, m_i):
 
 
 @gluon.jit
-def _issue_copy(kv_desc, bar, dst, page, live, g, HKV, COL: gl.constexpr, BS: gl.constexpr):
-    """TMA copy of a block's K (COL 0) or V (COL D) into dst, completing on bar, if live. A block outside the cache
-    (page -1) copies page 0 instead (its keys are masked and its V rows zeroed): one barrier operation per copy
-    fewer than arriving without one, each of which costs a barrier of the warpgroup (docs/perf-notes.md v19)."""
+def _issue_copy(kv_desc, bar, dst, page, u, count, g, HKV, COL: gl.constexpr, BS: gl.constexpr):
+    """TMA copy of block u's K (COL 0) or V (COL D) into dst, completing on bar, if u is one of the count blocks. A
+    block outside the cache (page -1) copies page 0 instead (its keys are masked and its V rows zeroed): one barrier
+    operation per copy fewer than arriving without one, each of which costs a barrier of the warpgroup
+    (docs/perf-notes.md v19)."""
+    live = u < count
     mbarrier.expect(bar, kv_desc.block_type.nbytes, pred=live)
     tma.async_copy_global_to_shared(kv_desc, [(gl.maximum(page, 0) * HKV + g) * BS, COL], bar, dst, pred=live)
 
 
 @gluon.jit
-def _zero_unwritten_v(v_smem, vbar, su, page, block0, req_last, v_rows, BS: gl.constexpr, v_ld: gl.constexpr):
-    """Once the V of the stream's block su has arrived, zero its rows past the request's last position (all of
-    them for a block outside the cache), in two halves of the block (a whole one in registers would spill)."""
-    mbarrier.wait(vbar, su & 1)
+def _zero_unwritten_v(v_smem, vbar, u, page, block0, req_last, v_rows, BS: gl.constexpr, v_ld: gl.constexpr):
+    """Once block u's V has arrived, zero its rows past the request's last position (all of them for a block
+    outside the cache), in two halves of the block (a whole one in registers would spill)."""
+    mbarrier.wait(vbar, u & 1)
     for h in gl.static_range(2):
         half = v_smem.slice(h * (BS // 2), BS // 2)
         written = (block0 + h * (BS // 2) + v_rows <= req_last) & (page >= 0)
@@ -128,24 +95,24 @@ def _zero_unwritten_v(v_smem, vbar, su, page, block0, req_last, v_rows, BS: gl.c
 
 
 @gluon.jit
-def _fold_block(u, su, s_regs, page, page_k, live_k, q_smem, k_smem, v_smem, kbars, vbar, kv_desc, entries, n_all,
-                n_full, g, HKV, k_mult, m_i, l_i, acc, r, pos, req_last, jn, v_rows, BS: gl.constexpr,
-                D: gl.constexpr, N: gl.constexpr, G: gl.constexpr, K_STAGES: gl.constexpr, p_op: gl.constexpr,
+def _fold_block(u, s_regs, page, page_k, q_smem, k_smem, v_smem, kbars, vbar, kv_desc, entries, count, n_all, n_full,
+                g, HKV, k_mult, m_i, l_i, acc, r, pos, req_last, jn, v_rows, N: gl.constexpr, BS: gl.constexpr,
+                D: gl.constexpr, G: gl.constexpr, K_STAGES: gl.constexpr, p_op: gl.constexpr,
                 rows_o: gl.constexpr, v_ld: gl.constexpr):
-    """Fold block u of the tile's union, the program's su-th block (its page: ``page``; the K copy this step issues,
-    of the stream's block su + K_STAGES: ``page_k``, if ``live_k``), into (m_i, l_i, acc); s_regs: registers for
-    its scores (an S already consumed). Returns (the scores' registers, m_i, l_i, acc with PV(u) in flight)."""
-    kslot = su % K_STAGES
+    """Fold block u of the union (its page: ``page``; block u + K_STAGES's: ``page_k``) into (m_i, l_i, acc);
+    s_regs: registers for its scores (an S already consumed). Returns (the scores' registers, m_i, l_i, acc with
+    PV(u) in flight)."""
+    kslot = u % K_STAGES
     # The block's union entries for the masks, read before the waits below so that their latency hides there.
     partial = u >= n_all
     chose = gl.load(entries + 2 * N + u, mask=partial, other=0)
     blk = gl.load(entries + u, mask=partial, other=0).to(gl.int32)
-    mbarrier.wait(kbars.index(kslot), (su // K_STAGES) & 1)
+    mbarrier.wait(kbars.index(kslot), (u // K_STAGES) & 1)
     s = warpgroup_mma(q_smem, k_smem.index(kslot).permute((1, 0)), s_regs, use_acc=False, is_async=True)
     # Waits for PV(u - 1) too: ptxas serialises every wgmma when a wait leaves an older group in flight across
     # the loop (docs/perf-notes.md v18). The V slot is free from here: block u's V is copied under its softmax.
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    _issue_copy(kv_desc, vbar, v_smem, page, True, g, HKV, D, BS)
+    _issue_copy(kv_desc, vbar, v_smem, page, u, count, g, HKV, D, BS)
     if partial:
         # A block some rows of the tile did not choose: its keys count for the rows that did.
         pick = ((chose >> (r // G).to(gl.int64)) & 1) != 0
@@ -160,7 +127,7 @@ def _fold_block(u, su, s_regs, page, page_k, live_k, q_smem, k_smem, v_smem, kba
             # position hold its keys and values (its rows attend to one another through the cache), so only its
             # last block, or a block outside the cache, needs this (the branch is uniform).
             if (block0 + BS - 1 > req_last) | (page < 0):
-                _zero_unwritten_v(v_smem, vbar, su, page, block0, req_last, v_rows, BS, v_ld)
+                _zero_unwritten_v(v_smem, vbar, u, page, block0, req_last, v_rows, BS, v_ld)
             s = gl.where(seen, s, NEG_INF)
             m_new, m_ref = _running_max(gl.max(s, axis=1) * k_mult, m_i)
             m_exp = m_ref
@@ -182,125 +149,103 @@ def _fold_block(u, su, s_regs, page, page_k, live_k, q_smem, k_smem, v_smem, kba
     p = gl.convert_layout(p.to(kv_desc.dtype), p_op)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # done already (above): the token back to a tensor
     acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-    mbarrier.wait(vbar, su & 1)
+    mbarrier.wait(vbar, u & 1)
     acc = warpgroup_mma(p, v_smem, acc, is_async=True)
-    # K slot su % K_STAGES: QK(u) is done (waited above). The page was read a block ago, so the copy does not wait
-    # for that load.
-    _issue_copy(kv_desc, kbars.index(kslot), k_smem.index(kslot), page_k, live_k, g, HKV, 0, BS)
+    # K slot u % K_STAGES: QK(u) is done (waited above). Block u + K_STAGES's page was read a block ago, so the
+    # copy does not wait for that load.
+    _issue_copy(kv_desc, kbars.index(kslot), k_smem.index(kslot), page_k, u + K_STAGES, count, g, HKV, 0, BS)
     return s, m_new, l_i, acc
 
 
 @gluon.jit
-def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count_ptr, order_ptr, HKV, TILES,
-                                    MAX_UNION, scale, v_factor, o_ptr, o_st, o_sh, G: gl.constexpr,
-                                    TQ: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, N: gl.constexpr,
-                                    K_STAGES: gl.constexpr, ORDERED: gl.constexpr, TILES_PER_PROGRAM: gl.constexpr):
-    """One program per TILES_PER_PROGRAM consecutive query tiles and a KV head: attention of each tile's M = TQ x G
-    rows over the union the union launch wrote (union_ptr: [TILES, Hkv, 1, 3, N]; count_ptr: [7, TILES, Hkv] int64
-    = union size (-1: no tile), n_all, n_full, first slot, rows, position - row index, the request's last
-    position), for the tiles of at most MAX_UNION blocks. The tile's rows are those ``tile_order`` put in its slots
-    (order_ptr: [T, Hkv] int32) where ORDERED, else the slots' own.
-
-    The program's tiles are one stream of blocks through the K ring: the last steps of a tile copy the next tile's
-    first K blocks, and its queries are read while the tile's output is written, so a tile after the first starts
-    on blocks already in shared memory (docs/perf-notes.md v51)."""
+def sparse_attn_tiles_hopper_kernel(q_ptr, q_st, q_sh, kv_desc, union_ptr, count_ptr, order_ptr, HKV, MAX_UNION,
+                                    scale, v_factor, o_ptr, o_st, o_sh, G: gl.constexpr, TQ: gl.constexpr,
+                                    BS: gl.constexpr, D: gl.constexpr, N: gl.constexpr, K_STAGES: gl.constexpr,
+                                    ORDERED: gl.constexpr):
+    """One program per (query tile, KV head): attention of the tile's M = TQ x G rows over the union the union
+    launch wrote (union_ptr: [tiles, Hkv, 1, 3, N]; count_ptr: [7, tiles, Hkv] int64 = union size (-1: no
+    tile), n_all, n_full, first slot, rows, position - row index, the request's last position), if it has at most
+    MAX_UNION blocks. The tile's rows are those ``tile_order`` put in its slots (order_ptr: [T, Hkv] int32) where
+    ORDERED, else the slots' own."""
     M: gl.constexpr = TQ * G
+    i = gl.program_id(0)
     g = gl.program_id(1)
-    first = gl.program_id(0) * TILES_PER_PROGRAM
-    end = gl.minimum(first + TILES_PER_PROGRAM, TILES)
-    num_tiles = TILES * HKV
+    tile_id = i * HKV + g
+    num_tiles = gl.num_programs(0) * HKV
+    count = gl.load(count_ptr + tile_id).to(gl.int32)
+    if (count >= 0) & (count <= MAX_UNION):
+        n_all = gl.load(count_ptr + num_tiles + tile_id).to(gl.int32)
+        n_full = gl.load(count_ptr + 2 * num_tiles + tile_id).to(gl.int32)
+        row0 = gl.load(count_ptr + 3 * num_tiles + tile_id).to(gl.int32)
+        nrows = gl.load(count_ptr + 4 * num_tiles + tile_id).to(gl.int32)
+        pos0 = gl.load(count_ptr + 5 * num_tiles + tile_id).to(gl.int32)
+        req_last = gl.load(count_ptr + 6 * num_tiles + tile_id).to(gl.int32)
+        entries = union_ptr + tile_id * 3 * N
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BS, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
-    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    q_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], kv_desc.dtype)
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BS, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])
+        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        q_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], kv_desc.dtype)
 
-    k_smem = gl.allocate_shared_memory(kv_desc.dtype, [K_STAGES, BS, D], kv_desc.layout)
-    v_smem = gl.allocate_shared_memory(kv_desc.dtype, [BS, D], kv_desc.layout)
-    q_smem = gl.allocate_shared_memory(kv_desc.dtype, [M, D], q_shared)
-    kbars = barrier_ring(K_STAGES)
-    vbars = barrier_ring(1)
-    vbar = vbars.index(0)
+        k_smem = gl.allocate_shared_memory(kv_desc.dtype, [K_STAGES, BS, D], kv_desc.layout)
+        v_smem = gl.allocate_shared_memory(kv_desc.dtype, [BS, D], kv_desc.layout)
+        q_smem = gl.allocate_shared_memory(kv_desc.dtype, [M, D], q_shared)
+        kbars = barrier_ring(K_STAGES)
+        vbars = barrier_ring(1)
+        vbar = vbars.index(0)
+        for b in gl.static_range(K_STAGES):
+            _issue_copy(kv_desc, kbars.index(b), k_smem.index(b), _block_page(entries, b, count, N), b, count, g,
+                        HKV, 0, BS)
 
-    rl = gl.arange(0, M, layout=gl.SliceLayout(1, ld))
-    dl = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-    r = gl.arange(0, M, layout=rows_s)
-    ro = gl.arange(0, M, layout=rows_o)
-    do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    jn = gl.arange(0, BS, layout=gl.SliceLayout(0, s_layout))
-    v_rows = gl.arange(0, BS // 2, layout=gl.SliceLayout(1, ld))
-    k_mult = scale * 1.4426950408889634  # log2(e): the softmax runs on exp2
+        rl = gl.arange(0, M, layout=gl.SliceLayout(1, ld))
+        dl = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+        live_l = (rl // G) < nrows
+        t_l = _slot_rows(order_ptr, row0, rl // G, live_l, HKV, g, ORDERED)
+        q_smem.store(gl.load(q_ptr + t_l[:, None] * q_st + (g * G + rl % G)[:, None] * q_sh + dl[None, :],
+                             mask=live_l[:, None], other=0.0))
+        fence_async_shared()  # Q's generic-proxy stores before the wgmma reads them through the async proxy
+        gl.thread_barrier()
 
-    count, walked, n_all, n_full, row0, nrows, pos0, req_last = _tile_meta(count_ptr, first, end, g, HKV,
-                                                                           num_tiles, MAX_UNION)
-    q_regs = _tile_q(q_ptr, q_st, q_sh, order_ptr, row0, nrows, walked, g, HKV, rl, dl, G, ORDERED)
-    su = first * 0  # the stream position of the tile's first block
-    prev_count = su  # blocks of the tile before in the stream (its last steps copied this tile's first K blocks)
-    for t in range(first, end):
-        tile_id = t * HKV + g
-        nx_count, nx_walked, nx_all, nx_full, nx_row0, nx_nrows, nx_pos0, nx_last = _tile_meta(
-            count_ptr, t + 1, end, g, HKV, num_tiles, MAX_UNION)
-        if walked:
-            entries = union_ptr + tile_id * 3 * N
-            for b in gl.static_range(K_STAGES):
-                # The tile's first blocks the tile before did not copy (it had fewer than K_STAGES - b).
-                slot = (su + b) % K_STAGES
-                _issue_copy(kv_desc, kbars.index(slot), k_smem.index(slot),
-                            _stream_page(union_ptr, tile_id, tile_id, b, count, 0, N),
-                            (b < count) & (b + prev_count < K_STAGES), g, HKV, 0, BS)
-            q_smem.store(q_regs)
-            fence_async_shared()  # Q's generic-proxy stores before the wgmma reads them through the async proxy
-            gl.thread_barrier()
-            # The rows in the scores' layout: loads that hit the cache, where converting the Q load's rows made
-            # ptxas serialise the wgmmas at G = 8.
-            live_s = (r // G) < nrows
-            pos = _slot_rows(order_ptr, row0, r // G, live_s, HKV, g, ORDERED) + pos0
-            m_i = gl.full([M], NEG_INF, gl.float32, rows_s)
-            l_i = gl.full([M], 0.0, gl.float32, rows_s)
-            acc = warpgroup_mma_init(gl.zeros([M, D], gl.float32, o_layout))
-            s_regs = gl.zeros([M, BS], gl.float32, s_layout)
-            # Pages of the stream's blocks u, u + 1 and u + K_STAGES = u + 2 (V of u, then K of u + 2 are copied in
-            # step u); past the tile's count blocks, the next tile's.
-            nx_id = (t + 1) * HKV + g
-            page = _stream_page(union_ptr, tile_id, nx_id, 0, count, nx_count, N)
-            page_next = _stream_page(union_ptr, tile_id, nx_id, 1, count, nx_count, N)
-            page_k = _stream_page(union_ptr, tile_id, nx_id, K_STAGES, count, nx_count, N)
-            for u in range(count):
-                s_regs, m_i, l_i, acc = _fold_block(u, su + u, s_regs, page, page_k,
-                                                    u + K_STAGES < count + nx_count, q_smem, k_smem, v_smem, kbars,
-                                                    vbar, kv_desc, entries, n_all, n_full, g, HKV, k_mult, m_i, l_i,
-                                                    acc, r, pos, req_last, jn, v_rows, BS, D, N, G, K_STAGES, p_op,
-                                                    rows_o, ld)
-                page = page_next
-                page_next = page_k
-                page_k = _stream_page(union_ptr, tile_id, nx_id, u + 1 + K_STAGES, count, nx_count, N)
-            # The next tile's queries, read while PV(last) runs and this tile's output is written.
-            q_regs = _tile_q(q_ptr, q_st, q_sh, order_ptr, nx_row0, nx_nrows, nx_walked, g, HKV, rl, dl, G, ORDERED)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            live_o = (ro // G) < nrows
-            t_o = _slot_rows(order_ptr, row0, ro // G, live_o, HKV, g, ORDERED)
-            l_o = gl.convert_layout(l_i, rows_o)
-            o = acc * (v_factor / gl.where(l_o > 0, l_o, 1.0))[:, None]
-            gl.store(o_ptr + t_o[:, None] * o_st + (g * G + ro % G)[:, None] * o_sh + do[None, :],
-                     o.to(o_ptr.dtype.element_ty), mask=live_o[:, None])
-        else:
-            q_regs = _tile_q(q_ptr, q_st, q_sh, order_ptr, nx_row0, nx_nrows, nx_walked, g, HKV, rl, dl, G, ORDERED)
-        su += count
-        prev_count = count
-        count, walked, n_all, n_full, row0, nrows, pos0, req_last = (nx_count, nx_walked, nx_all, nx_full, nx_row0,
-                                                                      nx_nrows, nx_pos0, nx_last)
-    retire_ring(kbars, K_STAGES)
-    retire_ring(vbars, 1)
-
-
-# Tiles per program: its first tile pays the program's start (barriers, the first K copies, reading the tile's
-# entries and queries), the others start on K blocks the tile before copied (docs/perf-notes.md v51).
-TILES_PER_PROGRAM = 4
+        # The rows again in the scores' and the output's layouts: loads that hit the cache, where converting t_l
+        # made ptxas serialise the wgmmas at G = 8.
+        r = gl.arange(0, M, layout=rows_s)
+        live_s = (r // G) < nrows
+        pos = _slot_rows(order_ptr, row0, r // G, live_s, HKV, g, ORDERED) + pos0
+        jn = gl.arange(0, BS, layout=gl.SliceLayout(0, s_layout))
+        v_rows = gl.arange(0, BS // 2, layout=gl.SliceLayout(1, ld))
+        k_mult = scale * 1.4426950408889634  # log2(e): the softmax runs on exp2
+        m_i = gl.full([M], NEG_INF, gl.float32, rows_s)
+        l_i = gl.full([M], 0.0, gl.float32, rows_s)
+        acc = warpgroup_mma_init(gl.zeros([M, D], gl.float32, o_layout))
+        s_regs = gl.zeros([M, BS], gl.float32, s_layout)
+        # Pages of blocks u, u + 1 and u + K_STAGES = u + 2 (V of u, then K of u + 2 are copied in step u).
+        page = _block_page(entries, 0, count, N)
+        page_next = _block_page(entries, 1, count, N)
+        page_k = _block_page(entries, K_STAGES, count, N)
+        for u in range(count):
+            s_regs, m_i, l_i, acc = _fold_block(u, s_regs, page, page_k, q_smem, k_smem, v_smem, kbars, vbar,
+                                                kv_desc, entries, count, n_all, n_full, g, HKV, k_mult, m_i, l_i,
+                                                acc, r, pos, req_last, jn, v_rows, N, BS, D, G, K_STAGES, p_op,
+                                                rows_o, ld)
+            page = page_next
+            page_next = page_k
+            page_k = _block_page(entries, u + 1 + K_STAGES, count, N)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        retire_ring(kbars, K_STAGES)
+        retire_ring(vbars, 1)
+        ro = gl.arange(0, M, layout=rows_o)
+        do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        live_o = (ro // G) < nrows
+        t_o = _slot_rows(order_ptr, row0, ro // G, live_o, HKV, g, ORDERED)
+        l_o = gl.convert_layout(l_i, rows_o)
+        o = acc * (v_factor / gl.where(l_o > 0, l_o, 1.0))[:, None]
+        gl.store(o_ptr + t_o[:, None] * o_st + (g * G + ro % G)[:, None] * o_sh + do[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=live_o[:, None])
 
 
 def sparse_attn_tiles_hopper(q, kv_cache, union, counts, order, tiles, tq, n, max_union, scale, v_factor, out,
@@ -312,9 +257,7 @@ def sparse_attn_tiles_hopper(q, kv_cache, union, counts, order, tiles, tq, n, ma
     dim = width // 2
     rows = kv_cache.view(pages * kv_heads * bs, width)
     desc = tma_descriptor(rows, (bs, dim))
-    per_program = TILES_PER_PROGRAM
     # The descriptor's dtype is q's (checked by gluon_tiles_fit), which is part of launch()'s specialization key.
-    launch(sparse_attn_tiles_hopper_kernel, (triton.cdiv(tiles, per_program), kv_heads), q, q.stride(0), q.stride(1),
-           desc, union, counts, order, kv_heads, tiles, max_union, scale, v_factor, out, out.stride(0), out.stride(1),
-           G=q.shape[1] // kv_heads, TQ=tq, BS=bs, D=dim, N=n, K_STAGES=K_STAGES, ORDERED=ordered,
-           TILES_PER_PROGRAM=per_program, num_warps=4)
+    launch(sparse_attn_tiles_hopper_kernel, (tiles, kv_heads), q, q.stride(0), q.stride(1), desc, union, counts,
+           order, kv_heads, max_union, scale, v_factor, out, out.stride(0), out.stride(1), G=q.shape[1] // kv_heads,
+           TQ=tq, BS=bs, D=dim, N=n, K_STAGES=K_STAGES, ORDERED=ordered, num_warps=4)
