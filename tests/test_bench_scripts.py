@@ -1,9 +1,11 @@
 """The benchmark scripts measure what they claim to: the decode floor scripts' kernels under the interpreter (their
-timings need a GPU; there each run checks its results the same way), the tile kernel script's inputs and fit."""
+timings need a GPU; there each run checks its results the same way), the tile kernel script's inputs and fit, the
+power probe's reading of nvidia-smi's samples."""
 from __future__ import annotations
 
 import importlib
 import pathlib
+import statistics
 
 import pytest
 import torch
@@ -85,3 +87,32 @@ def test_tile_fixed_cost_fit_recovers_cost_per_tile_and_per_block(tile_cost):
             for i, u in enumerate((2, 4, 8, 12, 16))]
     a, b = tile_cost.fit_per_tile(rows)
     assert abs(a - 4.8) < 0.05 and abs(b - 1.65) < 0.01
+
+
+@pytest.fixture
+def power_clock(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module("power_clock")
+
+
+def test_power_clock_summary_drops_the_ramp_and_names_the_reasons(power_clock):
+    """Samples as nvidia-smi prints them: the ramp's samples (idle clock, low power) do not count, the medians and
+    extremes are those of the rest, and each reason bit set in any sample is named once."""
+    gen = torch.Generator().manual_seed(5)
+    clocks = (1455 + 15 * torch.randint(0, 36, (40,), generator=gen)).tolist()
+    powers = (600 + 100 * torch.rand(40, generator=gen)).tolist()
+    masks = [0x4] * 30 + [0x4 | 0x20] * 9 + [0x200]
+    ramp = [f"1980, 95.00, 35, 0x{0x1:016x}"] * power_clock.RAMP_SAMPLES
+    lines = ramp + [f"{c}, {p:.2f}, {60 + i % 3}, 0x{m:016x}" for i, (c, p, m) in enumerate(zip(clocks, powers, masks))]
+    s = power_clock.summarize(lines + [""])
+    assert s["samples"] == 40
+    assert s["clock_median"] == statistics.median(clocks) and s["clock_min"] == min(clocks)
+    assert abs(s["power_median"] - statistics.median(round(p, 2) for p in powers)) < 1e-9
+    assert abs(s["power_max"] - max(round(p, 2) for p in powers)) < 1e-9
+    assert s["temperature"] == 60 + 39 % 3
+    assert s["reasons"] == sorted(["power cap", "software thermal", "0x200"])
+
+
+def test_power_clock_summary_refuses_a_run_shorter_than_its_ramp(power_clock):
+    with pytest.raises(ValueError, match="samples"):
+        power_clock.summarize(["1980, 100.0, 40, 0x0000000000000001"] * power_clock.RAMP_SAMPLES)
