@@ -71,6 +71,7 @@ def sustained(op, seconds: float) -> tuple[float, dict]:
 
 
 def _limits() -> tuple[str, str]:
+    """(the SM clock's maximum in MHz, the board's power limit in W) as nvidia-smi prints them."""
     out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.max.sm,power.limit", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, check=True).stdout
     clock, power = (f.strip() for f in out.splitlines()[0].split(","))
