@@ -52,12 +52,8 @@ def main() -> None:
         parser.error(str(e))
     print(m3sparse.__file__, flush=True)
     for tokens, prefix, heads, kv_heads, pattern, requests in cases:
-        case = bench.prefill_inputs(tokens, prefix, heads, kv_heads, pattern, requests)
-        meta = case["meta"]
-        ids = m3sparse.index_topk_prefill(case["iq"], case["ic"], *meta)
-        out = torch.empty_like(case["q"])
-        attend = lambda: m3sparse.sparse_attn_prefill(case["q"], case["kv"], ids, *meta, out=out)  # noqa: E731
-        index = lambda: m3sparse.index_topk_prefill(case["iq"], case["ic"], *meta, out=ids)  # noqa: E731
+        attend, index, _, _ = bench.prefill_ops(bench.prefill_inputs(tokens, prefix, heads, kv_heads, pattern,
+                                                                     requests))
         for _ in range(3):  # compiles
             index()
             attend()

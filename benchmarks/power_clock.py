@@ -19,7 +19,6 @@ import time
 
 import torch
 
-import m3sparse
 from m3sparse import bench
 
 FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
@@ -102,14 +101,8 @@ def main() -> None:
             a, b = (torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda") for _ in range(2))
             op = lambda: a @ b  # noqa: E731
         else:
-            case = bench.prefill_inputs(*spec, index_dtype=torch.bfloat16)
-            meta = case["meta"]
-            ids = m3sparse.index_topk_prefill(case["iq"], case["ic"], *meta)
-            if args.op == "attend":
-                out = torch.empty_like(case["q"])
-                op = lambda: m3sparse.sparse_attn_prefill(case["q"], case["kv"], ids, *meta, out=out)  # noqa: E731
-            else:
-                op = lambda: m3sparse.index_topk_prefill(case["iq"], case["ic"], *meta, out=ids)  # noqa: E731
+            attend, index, _, _ = bench.prefill_ops(bench.prefill_inputs(*spec))
+            op = attend if args.op == "attend" else index
         ms, s = sustained(op, args.seconds)
         print(f"{name}: {ms:.3f} ms per call; SM clock median {s['clock_median']:.0f} MHz (min {s['clock_min']:.0f});"
               f" power median {s['power_median']:.0f} W (max {s['power_max']:.0f}); {s['temperature']:.0f} C;"

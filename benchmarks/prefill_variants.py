@@ -21,7 +21,6 @@ import statistics
 
 import torch
 
-import m3sparse
 from m3sparse import bench
 
 
@@ -87,15 +86,9 @@ def main() -> None:
         parser.error(str(e))
     for tokens, prefix, heads, kv_heads, pattern, requests in cases:
         spec = f"{requests} x {tokens} on {prefix}, {heads}/{kv_heads} heads, {pattern}"
-        case = bench.prefill_inputs(tokens, prefix, heads, kv_heads, pattern, requests, index_dtype)
-        meta = case["meta"]
-        ids = m3sparse.index_topk_prefill(case["iq"], case["ic"], *meta)
-        if args.op == "attend":
-            out = torch.empty_like(case["q"])
-            op = lambda: m3sparse.sparse_attn_prefill(case["q"], case["kv"], ids, *meta, out=out)  # noqa: E731
-        else:
-            out = torch.empty_like(ids)
-            op = lambda: m3sparse.index_topk_prefill(case["iq"], case["ic"], *meta, out=out)  # noqa: E731
+        attend, index, attended, ids = bench.prefill_ops(bench.prefill_inputs(tokens, prefix, heads, kv_heads,
+                                                                              pattern, requests, index_dtype))
+        op, out = (attend, attended) if args.op == "attend" else (index, ids)
         reps = bench.prefill_reps(tokens)
         times = {name: [] for name, _ in variants}
         diffs = {}

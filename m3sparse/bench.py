@@ -310,6 +310,23 @@ def prefill_inputs(tokens, prefix, heads, kv_heads, pattern="random", requests=1
                 positions=positions, meta=meta)
 
 
+def prefill_ops(case: dict):
+    """(attend, index, out, ids) for a ``prefill_inputs`` case: its eager attention and index calls, out the
+    attention's output ([T, heads, D] bf16) and ids ([Hkv, T, 16] int32) the selections the index op writes (made
+    once here) and the attention reads. The benchmark scripts time these calls."""
+    meta = case["meta"]
+    ids = m3sparse.index_topk_prefill(case["iq"], case["ic"], *meta)
+    out = torch.empty_like(case["q"])
+
+    def attend():
+        m3sparse.sparse_attn_prefill(case["q"], case["kv"], ids, *meta, out=out)
+
+    def index():
+        m3sparse.index_topk_prefill(case["iq"], case["ic"], *meta, out=ids)
+
+    return attend, index, out, ids
+
+
 def _token_count(text: str) -> int:
     """'8192', '8k' (x 1024) or '1M' (x 2**20)."""
     scale = {"k": 1 << 10, "m": 1 << 20}.get(text[-1:].lower(), 1)

@@ -56,3 +56,21 @@ def test_decode_rotation_reads_past_the_l2_and_pools_every_page(requests, pages_
                                       (1 << 20, "1024k")])
 def test_token_labels_never_round_a_count_down(n, label):
     assert bench.token_label(n) == label
+
+
+@pytest.mark.gpu
+def test_prefill_ops_call_the_ops_on_the_case_and_its_selections():
+    """The benchmark scripts' eager calls (``bench.prefill_ops``): the index call writes the selections into the
+    buffer the attention call reads, and the attention call writes every output element as the reference does on the
+    case's queries, cache and those selections."""
+    from m3sparse import reference
+    case = bench.prefill_inputs(1000, 300, 16, 1, "locality", 2)
+    attend, index, out, ids = bench.prefill_ops(case)
+    made = ids.clone()
+    ids.fill_(-7)
+    index()
+    assert torch.equal(ids, made)
+    out.fill_(float("nan"))
+    attend()
+    want = reference.sparse_attn_prefill(case["q"], case["kv"], ids, *case["meta"]).float()
+    assert ((out.float() - want).norm() / want.norm()).item() <= 1e-2
