@@ -14,6 +14,7 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -310,7 +311,7 @@ def prefill_inputs(tokens, prefix, heads, kv_heads, pattern="random", requests=1
                 positions=positions, meta=meta)
 
 
-def prefill_ops(case: dict):
+def prefill_ops(case: dict) -> tuple[Callable[[], None], Callable[[], None], torch.Tensor, torch.Tensor]:
     """(attend, index, out, ids) for a ``prefill_inputs`` case: its eager attention and index calls, out the
     attention's output ([T, heads, D] bf16) and ids ([Hkv, T, 16] int32) the selections the index op writes (made
     once here) and the attention reads. The benchmark scripts time these calls."""

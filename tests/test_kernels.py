@@ -1025,8 +1025,8 @@ def hopper_prefill_batch(dtype, heads, kv_heads, seed, junk):
     """(batch, reference selections) at the Gluon kernels' shapes: block 128, chunks on cached prefixes, a request
     of 5 rows, one across a block edge, NaN in every unwritten cache slot. With junk: a share of the ids replaced by
     noise (repeats, negatives, past the row's own block or the table) and blocks whose pages lie outside the cache,
-    one of them request 1's last block, and request 0's rows 40-47 without a valid id (two tiles of consecutive
-    rows whose unions are empty)."""
+    one of them request 1's last block, and request 0's rows 40-47 without a valid id (where tiles take consecutive
+    rows, two tiles whose unions are empty)."""
     batch = make_batch(requests=[(9000, 700), (0, 2100), (3000, 5), (127, 130)], heads=heads, kv_heads=kv_heads,
                        block_size=128, q_dtype=dtype, kv_dtype=dtype, index_dtype=torch.bfloat16, seed=seed,
                        device="cuda")
