@@ -1,6 +1,6 @@
 """The benchmark scripts measure what they claim to: the decode floor scripts' kernels under the interpreter (their
 timings need a GPU; there each run checks its results the same way), the tile kernel script's inputs and fit, the
-power probe's reading of nvidia-smi's samples."""
+power probe's reading of nvidia-smi's samples, the union counts of the tile union script."""
 from __future__ import annotations
 
 import importlib
@@ -116,3 +116,23 @@ def test_power_clock_summary_drops_the_ramp_and_names_the_reasons(power_clock):
 def test_power_clock_summary_refuses_a_run_shorter_than_its_ramp(power_clock):
     with pytest.raises(ValueError, match="samples"):
         power_clock.summarize(["1980, 100.0, 40, 0x0000000000000001"] * power_clock.RAMP_SAMPLES)
+
+
+@pytest.fixture
+def tile_unions(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module("tile_unions")
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_tile_unions_count_each_valid_block_of_a_group_once(tile_unions, rows):
+    """Ids with repeats, -1 and other negatives, rows whose ids are all invalid, a last partial group: each full
+    group's count is the size of the set of its valid ids."""
+    gen = torch.Generator().manual_seed(rows)
+    ids = torch.randint(-3, 40, (8 * 4 + 3, 16), generator=gen, dtype=torch.int32)
+    ids[5] = -1
+    ids[9, :8] = ids[9, 8:]
+    got = tile_unions.union_sizes(ids, rows)
+    want = [len({int(x) for x in ids[g * rows:(g + 1) * rows].flatten() if x >= 0})
+            for g in range(ids.shape[0] // rows)]
+    assert got.tolist() == want
