@@ -20,7 +20,7 @@ from m3sparse import bench
 from m3sparse.kernels import sparse_attn
 from m3sparse.kernels.tile_order import order_tile_rows
 
-TILE_ROWS = 4  # the tile kernel's rows a tile at 16 query heads per KV head
+TILE_ROWS = 4  # rows per tile of the tile kernel at 16 query heads per KV head
 
 
 def union_sizes(ids: torch.Tensor, rows: int) -> torch.Tensor:
