@@ -287,9 +287,9 @@ def _tile_attn(q, kv_cache, topk_ids, block_table, tiles, tq, sc, out, max_union
     ``splits`` programs that each build it, chained by dependent launch as ``pdl`` says (PDL_*). ``after_union``
     (prefill): a function of the row marks and ``zeroed_words`` int32 words the union launch zeroed, called right
     after the union launch, which may return a function to call after the attention's launch (launches that read
-    only what the union launch wrote fork there and may be issued once the attention is queued). Returns, in prefill, which rows the
-    tile kernel computed ([T, Hkv] int8, a view of the scratch the attention launch reads: keep it until every
-    launch that reads it has run)."""
+    only what the union launch wrote fork there and may be issued once the attention is queued). Returns, in
+    prefill, which rows the tile kernel computed ([T, Hkv] int8, a view of the scratch the attention launch reads:
+    keep it until every launch that reads it has run)."""
     num_tokens, num_heads, dim = q.shape
     num_pages, kv_heads, bs, _ = kv_cache.shape
     batch = block_table.shape[0]
