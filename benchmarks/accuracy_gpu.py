@@ -20,6 +20,7 @@ CASES = [  # (name, requests, heads, kv heads, decode_query_len)
     ("spec decode 3 x 4 rows", [(131_000, 4), (2_046, 4), (40_000, 4)], 8, 1, 4),
     ("TP1 decode 2 x 64k", [(65_535, 1), (20_000, 1)], 64, 4, 1),
     ("prefill 2k on 30k + 3k fresh", [(30_000, 2048), (0, 3072)], 16, 1, None),
+    ("prefill 8k on 24k", [(24_576, 8192)], 16, 1, None),
 ]
 DTYPES = [("bf16", torch.bfloat16, "scalar"), ("fp8 e4m3, scalar scales", torch.float8_e4m3fn, "scalar"),
           ("fp8 e5m2, per-slot scales", torch.float8_e5m2, "per_slot")]
