@@ -921,20 +921,28 @@ def test_prefill_kv_block_launches_start_beside_the_tile_kernel(gpu_busy, monkey
     torch.cuda.synchronize()
     issued = []
     monkeypatch.setattr(sparse_attn, "_stream_idle", lambda stream: issued.append(not gpu_busy) or not gpu_busy)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        if gpu_busy:
-            torch.cuda._sleep(1_000_000)
-        m3sparse.sparse_attn_prefill(q, kv, ids, *meta, out=out)
-        torch.cuda.synchronize()
-    assert issued == [not gpu_busy]
-    prof.export_chrome_trace(str(tmp_path / "trace.json"))
-    kernels = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e.get("cat") == "kernel"]
-    tiles = [e for e in kernels if "sparse_attn_tiles_hopper_kernel" in e["name"]]
-    ranks = [e["ts"] for e in kernels if "_pair_rank_kernel" in e["name"]]  # a launch per pass of rows
-    assert len(tiles) == 1 and ranks, [e["name"] for e in kernels]
-    first_rank = min(ranks)
-    assert tiles[0]["dur"] > 1000, f"tile kernel of {tiles[0]['dur']} us: too short to tell"
-    assert first_rank < tiles[0]["ts"] + tiles[0]["dur"], "the KV-block launches waited for the tile kernel"
+    # Up to three calls: under a loaded host (pytest-xdist's workers compiling beside it) issuing the KV-block
+    # launches once took longer than the tile kernel ran (v55). A fork after the tile launch waits every time.
+    starts = []
+    for attempt in range(3):
+        issued.clear()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            if gpu_busy:
+                torch.cuda._sleep(1_000_000)
+            m3sparse.sparse_attn_prefill(q, kv, ids, *meta, out=out)
+            torch.cuda.synchronize()
+        assert issued == [not gpu_busy]
+        prof.export_chrome_trace(str(tmp_path / f"trace{attempt}.json"))
+        trace = json.loads((tmp_path / f"trace{attempt}.json").read_text())["traceEvents"]
+        kernels = [e for e in trace if e.get("cat") == "kernel"]
+        tiles = [e for e in kernels if "sparse_attn_tiles_hopper_kernel" in e["name"]]
+        ranks = [e["ts"] for e in kernels if "_pair_rank_kernel" in e["name"]]  # a launch per pass of rows
+        assert len(tiles) == 1 and ranks, [e["name"] for e in kernels]
+        assert tiles[0]["dur"] > 1000, f"tile kernel of {tiles[0]['dur']} us: too short to tell"
+        starts.append(min(ranks) - (tiles[0]["ts"] + tiles[0]["dur"]))
+        if starts[-1] < 0:
+            break
+    assert starts[-1] < 0, f"the KV-block launches waited for the tile kernel: first start - tile end {starts} us"
 
 
 @pytest.mark.gpu
