@@ -21,7 +21,7 @@ timeout 300 compute-sanitizer --tool memcheck --error-exitcode 7 python3 -m pyte
 echo "memcheck exit: ${PIPESTATUS[0]}" | tee -a "$out/memcheck.log"
 timeout 60 python3 -m m3sparse demo --device cuda 2>&1 | tee "$out/demo.log"
 # Each kernel's relative error against the fp32 reference at real shapes, bf16 and both fp8 caches (the table of
-# docs/benchmarks.md's baseline).
+# docs/benchmarks.md's baseline and v55).
 timeout 240 python3 benchmarks/accuracy_gpu.py 2>&1 | tee "$out/accuracy.md"
 timeout 240 python3 -m m3sparse bench --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
 timeout 180 python3 benchmarks/decode_latency_floor.py --json "$out/floor.json" 2>&1 | tee "$out/floor.log"
