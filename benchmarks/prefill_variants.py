@@ -10,6 +10,8 @@ rounds, the shipped settings first in the first, each round starting one variant
 prints its minimum and median over rounds of the median of back-to-back calls
 (``bench``'s timing), and how its output differs from the shipped settings' (attention: max |diff| / max |shipped|;
 index: share of rows whose sets differ).
+``--sustained SECONDS``: each variant runs back to back for that long per round instead (``power_clock``'s
+sampling: ms per call at the clock the power cap leaves, printed per round with the clock and power).
 ``--profile``: the shipped op's kernels by time (torch.profiler, mean per call).
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import statistics
 import torch
 
 from m3sparse import bench
+from power_clock import sustained  # benchmarks/ is this script's directory, so on sys.path
 
 
 def _value(text: str):
@@ -75,6 +78,7 @@ def main() -> None:
     parser.add_argument("--op", choices=["attend", "index"], default="attend")
     parser.add_argument("--index-cache-dtype", choices=["bfloat16", "fp8_e4m3"], default="bfloat16")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     variants = [("shipped", [])] + [(v.split("=", 1)[0], _settings(v.split("=", 1)[1])) for v in args.variant]
@@ -99,6 +103,11 @@ def main() -> None:
                 def timed():
                     op()
                     torch.cuda.synchronize()
+                    if args.sustained > 0:
+                        ms, s = sustained(op, args.sustained)
+                        print(f"  {spec} round {rnd} {name}: {ms:.3f} ms per call sustained; "
+                              f"{s['clock_median']:.0f} MHz; {s['power_median']:.0f} W", flush=True)
+                        return ms
                     return bench._back_to_back_median(op, reps) / 1e3
                 times[name].append(_run_with(settings, timed))
                 if reference is None:
