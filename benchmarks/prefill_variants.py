@@ -101,13 +101,13 @@ def main() -> None:
             # Each round starts one variant later: whichever runs first in a round reads faster (v50).
             for name, settings in variants[rnd % len(variants):] + variants[:rnd % len(variants)]:
                 def timed():
-                    op()
-                    torch.cuda.synchronize()
-                    if args.sustained > 0:
+                    if args.sustained > 0:  # sustained() makes its own first call
                         ms, s = sustained(op, args.sustained)
                         print(f"  {spec} round {rnd} {name}: {ms:.3f} ms per call sustained; "
                               f"{s['clock_median']:.0f} MHz; {s['power_median']:.0f} W", flush=True)
                         return ms
+                    op()
+                    torch.cuda.synchronize()
                     return bench._back_to_back_median(op, reps) / 1e3
                 times[name].append(_run_with(settings, timed))
                 if reference is None:
