@@ -1,6 +1,6 @@
 """What no decode-step design goes under on this GPU: the latency of the pieces a decode step is made of (GPU).
 
-    python benchmarks/decode_latency_floor.py [--json PATH]
+    python benchmarks/decode_latency_floor.py [--json PATH] [--streams-only]
 
 A decode step (issue 5) streams a row's index keys from HBM, ranks its block scores once all of them are in, reads
 the chosen blocks' pages and then their K / V, and combines the attention's partial results. Each of those
@@ -173,6 +173,7 @@ def dependent_load_us(entries: int, steps: int = 4000) -> float:
 STREAMS = [
     ("1 x 32k index keys (bf16)", 256 * 32768, 128), ("1 x 32k index keys (bf16)", 256 * 32768, 256),
     ("1 x 32k index keys (bf16)", 256 * 32768, 512), ("1 x 32k index keys (bf16)", 256 * 32768, 1024),
+    ("1 x 32k index keys (bf16)", 256 * 32768, 2048),
     ("1 x 128k index keys (bf16)", 256 * 131072, 256), ("1 x 128k index keys (bf16)", 256 * 131072, 512),
     ("1 x 128k index keys (bf16)", 256 * 131072, 1024),
     ("8 x 32k index keys (bf16)", 8 * 256 * 32768, 512), ("8 x 32k index keys (bf16)", 8 * 256 * 32768, 2048),
@@ -182,13 +183,32 @@ STREAMS = [
     ("8 rows' K / V", 8 * 16 * 65536, 128),
     ("32 rows' K / V", 32 * 16 * 65536, 128), ("32 rows' K / V", 32 * 16 * 65536, 256),
     ("32 rows' K / V", 32 * 16 * 65536, 512), ("32 rows' K / V", 32 * 16 * 65536, 1024),
+    ("32 rows' K / V", 32 * 16 * 65536, 2048), ("32 rows' K / V", 32 * 16 * 65536, 4096),
+    ("32 rows' K / V", 32 * 16 * 65536, 8192),
     ("32 rows' K / V, one program per row", 32 * 16 * 65536, 32),
 ]
+
+
+def latency_rows() -> list[dict]:
+    """The hops, grid barriers and dependent loads, one row each."""
+    rows = []
+    for programs in (1, 132):
+        for pdl in (True, False):
+            rows.append(dict(piece="hop", what=f"{programs} programs, {'dependent launch' if pdl else 'plain'}",
+                             programs=programs, us=hop_us(programs, pdl)))
+    for programs in (132, 264):
+        for acquire in (True, False):
+            rows.append(dict(piece="grid barrier", what=f"{programs} programs, {'acquire' if acquire else 'relaxed'}"
+                             " polls", programs=programs, us=grid_barrier_us(programs, acquire)))
+    for entries, where in ((1 << 14, "L2 (64 KB cycle)"), (1 << 26, "HBM (256 MB cycle)")):
+        rows.append(dict(piece="dependent load", what=where, entries=entries, us=dependent_load_us(entries)))
+    return rows
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the measurements here")
+    parser.add_argument("--streams-only", action="store_true", help="time the streams, not the other pieces")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -202,16 +222,8 @@ def main(argv=None) -> None:
         rows.append(dict(piece="stream", what=label, bytes=nbytes, programs=programs, us=t,
                          tb_per_s=nbytes / t / 1e6))
         torch.cuda.empty_cache()
-    for programs in (1, 132):
-        for pdl in (True, False):
-            rows.append(dict(piece="hop", what=f"{programs} programs, {'dependent launch' if pdl else 'plain'}",
-                             programs=programs, us=hop_us(programs, pdl)))
-    for programs in (132, 264):
-        for acquire in (True, False):
-            rows.append(dict(piece="grid barrier", what=f"{programs} programs, {'acquire' if acquire else 'relaxed'}"
-                             " polls", programs=programs, us=grid_barrier_us(programs, acquire)))
-    for entries, where in ((1 << 14, "L2 (64 KB cycle)"), (1 << 26, "HBM (256 MB cycle)")):
-        rows.append(dict(piece="dependent load", what=where, entries=entries, us=dependent_load_us(entries)))
+    if not args.streams_only:
+        rows += latency_rows()
     print("| piece | what | programs | µs | TB/s |")
     print("|---|---|---|---|---|")
     for r in rows:
