@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issues 5 and 6's acceptance tables in one device call (step limits: 590 s): the HBM streams of the decode floor, issue 6's
-# prefill cases with bf16 scoring, issue 5's anchor table with bf16 index keys, then the 128k prefill cases with fp8
-# scoring. The issues ask for the H200: the script exits 3 on any other card unless ALLOW_ANY_GPU=1. Logs and JSON go
-# to ${OUT:-gpu-out}; each step has its own timeout, so a cut run keeps what finished. Runs from the repository root
-# without installing (PYTHONPATH=.).
+# Issues 5 and 6's acceptance tables in one device call (step limits: 590 s): the HBM streams of the decode floor,
+# issue 6's prefill cases with bf16 scoring, issue 5's anchor table with bf16 index keys, then the 128k prefill cases
+# with fp8 scoring. The issues ask for the H200: the script exits 3 on any other card unless ALLOW_ANY_GPU=1. Logs and
+# JSON go to ${OUT:-gpu-out}; each step has its own timeout, so a cut run keeps what finished. Runs from the repository
+# root without installing (PYTHONPATH=.).
 set -u
 out=${OUT:-gpu-out}
 mkdir -p "$out"
