@@ -3,8 +3,8 @@
     python benchmarks/spec_decode_forms.py [--cases 32:128k:4,8:32k:4] [--rounds 2] [--json PATH]
 
 Forms (``sparse_attn_decode``'s switches): "per row" (each row its k blocks), "tile" (a request's block union in
-one tile, split over programs) and "block owner" (each block of a request's rows attended once, by the program of
-its first pair). Each case is timed as the bench times decode: LAYERS_PER_GRAPH layers per CUDA graph, each layer
+one tile, split over programs) and "owner N x S" (each block of a request's rows attended once, by the program of
+its first pair, in chunks of N keys and S pipeline stages). Each case is timed as the bench times decode: LAYERS_PER_GRAPH layers per CUDA graph, each layer
 on its own pages of one pool, the graphs replayed in turn so that a round reads >= 256 MB; median per layer, in µs.
 Rows of a request share 12 of their 16 blocks with its first row ("shared", criterion 4's case) or none
 ("independent"). Rounds alternate the forms; each form's output is checked against the per-row form's.
@@ -18,10 +18,14 @@ import torch
 
 import m3sparse
 from m3sparse import bench
-from m3sparse.kernels.sparse_attn import sparse_attn_decode
+import m3sparse.kernels.sparse_attn as SA
 
-FORMS = {"per row": dict(rows_together=False, owners=False), "tile": dict(rows_together=True, owners=False),
-         "block owner": dict(rows_together=False, owners=True)}
+# name: (sparse_attn_decode's switches, the block-owner launch's (keys per chunk, stages))
+FORMS = {"per row": (dict(rows_together=False, owners=False), None),
+         "tile": (dict(rows_together=True, owners=False), None),
+         "owner 32x3": (dict(rows_together=False, owners=True), (32, 3)),
+         "owner 32x2": (dict(rows_together=False, owners=True), (32, 2)),
+         "owner 64x2": (dict(rows_together=False, owners=True), (64, 2))}
 DEFAULT_CASES = "32:128k:4,32:32k:4,8:128k:4,8:32k:4,1:32k:4,128:32k:4,32:128k:2"
 
 
@@ -63,10 +67,12 @@ def run_case(requests: int, context: int, dql: int, heads: int, kv_heads: int, r
     for ids_name in ("shared", "independent"):
         key = "shared" if ids_name == "shared" else "ids"
         ops = {}
-        for form, switches in FORMS.items():
-            def op(s, switches=switches):
-                sparse_attn_decode(s["q"], kv, s[key], s["table"], seq_lens, dql, bench.D ** -0.5, s["out"], None, None,
-                                   **switches)
+        for form, (switches, pipeline) in FORMS.items():
+            def op(s, switches=switches, pipeline=pipeline):
+                if pipeline is not None:
+                    SA.OWNER_BLOCK_N, SA.OWNER_STAGES = pipeline
+                SA.sparse_attn_decode(s["q"], kv, s[key], s["table"], seq_lens, dql, bench.D ** -0.5, s["out"], None,
+                                      None, **switches)
             ops[form] = op
         # Outputs of the first layer against the per-row form's.
         first = layers[0]
