@@ -60,28 +60,30 @@ def _graphs(layers, fn, graphs):
     return captured
 
 
-def run_case(requests: int, context: int, dql: int, heads: int, kv_heads: int, rounds: int, reps: int) -> list[dict]:
+def run_case(requests: int, context: int, dql: int, heads: int, kv_heads: int, rounds: int, reps: int,
+             forms: list[str]) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers, seq_lens, kv, graphs = _layers(requests, context, dql, heads, kv_heads, gen)
     results = []
     for ids_name in ("shared", "independent"):
         key = "shared" if ids_name == "shared" else "ids"
         ops = {}
-        for form, (switches, pipeline) in FORMS.items():
+        for form in forms:
+            switches, pipeline = FORMS[form]
             def op(s, switches=switches, pipeline=pipeline):
                 if pipeline is not None:
                     SA.OWNER_BLOCK_N, SA.OWNER_STAGES = pipeline
                 SA.sparse_attn_decode(s["q"], kv, s[key], s["table"], seq_lens, dql, bench.D ** -0.5, s["out"], None,
                                       None, **switches)
             ops[form] = op
-        # Outputs of the first layer against the per-row form's.
+        # Outputs of the first layer against the first form's.
         first = layers[0]
         outs = {}
         for form, op in ops.items():
             first["out"].fill_(float("nan"))
             op(first)
             outs[form] = first["out"].float().clone()
-        diffs = {form: (outs[form] - outs["per row"]).abs().max().item() for form in ops}
+        diffs = {form: (outs[form] - outs[forms[0]]).abs().max().item() for form in ops}
         captured = {}
         for form, op in ops.items():
             for s in layers:
@@ -103,7 +105,7 @@ def run_case(requests: int, context: int, dql: int, heads: int, kv_heads: int, r
         results.append(row)
         print(f"| {requests} x {bench.token_label(context)} x {dql} | {ids_name} | "
               + " | ".join(f"{min(times[f]):.2f}" for f in ops) + " | "
-              + " / ".join(f"{diffs[f]:.1e}" for f in ops if f != "per row") + " |", flush=True)
+              + " / ".join(f"{diffs[f]:.1e}" for f in forms[1:]) + " |", flush=True)
     return results
 
 
@@ -111,20 +113,22 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=DEFAULT_CASES, help="requests:context:query tokens, comma-separated")
     ap.add_argument("--heads", default="16/1")
+    ap.add_argument("--forms", default=",".join(FORMS), help="comma-separated, the first the reference of the diffs")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     heads, kv_heads = (int(x) for x in args.heads.split("/"))
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {__import__('triton').__version__}")
-    print("| case | rows' ids | " + " | ".join(f"{f} µs" for f in FORMS) + " | max abs diff to per row |")
-    print("|---|---|" + "---|" * len(FORMS) + "---|")
+    forms = args.forms.split(",")
+    print("| case | rows' ids | " + " | ".join(f"{f} µs" for f in forms) + f" | max abs diff to {forms[0]} |")
+    print("|---|---|" + "---|" * len(forms) + "---|")
     bench._warm_up_gpu()
     results = []
     for case in args.cases.split(","):
         requests, context, dql = case.split(":")
         results += run_case(int(requests), bench._token_count(context), int(dql), heads, kv_heads, args.rounds,
-                            args.reps)
+                            args.reps, forms)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
