@@ -1217,14 +1217,17 @@ def test_decode_attention_splits(target, splits, kv_dtype, rows_together):
 
 @pytest.mark.parametrize("dql", [2, 3, 4])
 @pytest.mark.parametrize("min_tiles", [3, 4])
-def test_decode_rows_together_rule(target, dql, min_tiles, monkeypatch):
+@pytest.mark.parametrize("owner_min_rows", [None, 2])
+def test_decode_rows_together_rule(target, dql, min_tiles, owner_min_rows, monkeypatch):
     """By default a request's speculative rows go through the tile kernel as one tile from TILE_MIN_DECODE_TILES
     (request, KV head) tiles of at least 3 rows on, the union split over as many programs as fill one wave of
     one per SM (at most k), chained as the rest of the decode step; else by block owner (a program per (request,
-    KV head, row slot)). Output poisoned first, against the reference."""
+    KV head, row slot)) from OWNER_MIN_ROWS rows per request, or per row. Output poisoned first, against the
+    reference."""
     import m3sparse.kernels.sparse_attn as SA
     from m3sparse.kernels.dependent_launch import chained_launch
     monkeypatch.setattr(SA, "TILE_MIN_DECODE_TILES", min_tiles)
+    monkeypatch.setattr(SA, "OWNER_MIN_ROWS", owner_min_rows)
     monkeypatch.setattr(SA, "H200_SMS", 6)  # one wave of one program per SM: 2 per tile of 3, fewer than k
     launches = []
     real_each, real = SA.launch_each, SA.launch
@@ -1250,14 +1253,17 @@ def test_decode_rows_together_rule(target, dql, min_tiles, monkeypatch):
     assert (out[[t for t, (b, _) in enumerate(batch.rows) if b < 0]] == 0).all()  # the padding request's rows
     tiles = [(grid, m) for kernel, grid, m in launches if kernel is SA._sparse_attn_tiles_kernel]
     owners = [(grid, m) for kernel, grid, m in launches if kernel is SA._block_owner_kernel]
+    rows = [grid for kernel, grid, _ in launches if kernel is SA._sparse_attn_kernel]
     if dql >= 3 and min_tiles <= 3:
-        assert len(tiles) == 1 and owners == []
+        assert len(tiles) == 1 and owners == [] and rows == []
         grid, m = tiles[0]
         assert grid == (3, 1, 2) and m["PDL"] == chained_launch(out.device)
-    else:
-        assert tiles == [] and len(owners) == 1
+    elif owner_min_rows is not None:
+        assert tiles == [] and rows == [] and len(owners) == 1
         grid, m = owners[0]
         assert grid == (3, 1, dql * 4) and m["PDL"] == chained_launch(out.device)
+    else:
+        assert tiles == [] and owners == [] and len(rows) == 1
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])

@@ -9,7 +9,8 @@ chose it) for tiles of small unions, and the KV-block launches of ``sparse_attn_
 where those do not fit); the KV-block launches run on a stream of their own beside the tile attention.
 Speculative decode rows (three or more per request) go through the tile kernel (one tile per request, its union
 split over one wave of programs) once there are about as many requests x KV heads as SMs; fewer stay on the
-per-row kernel, whose short programs hide latency better.
+per-row kernel, whose short programs hide latency better, or, where asked, go by block owner
+(``sparse_attn_block_owners``: one short program per block of a request's union, for all the rows that chose it).
 """
 from __future__ import annotations
 
@@ -168,8 +169,9 @@ UNION_WARPS = 1
 TILE_ORDER_GROUPS = ((8192, 128),)
 # Decode tiles: at least this many (request, KV head) tiles of at least this many speculative rows each.
 TILE_MIN_DECODE_TILES, TILE_MIN_DECODE_ROWS = 128, 3
-# Speculative rows per request from which the per-row kernel's requests go by block owner instead.
-OWNER_MIN_ROWS = 2
+# Speculative rows per request from which the requests the tile kernel leaves go by block owner instead of per row;
+# None: none by default, until the form is timed on the GPU (docs/perf-notes.md v67).
+OWNER_MIN_ROWS = None
 # Decode rows x KV heads below which each row's blocks go in 2k half-block splits (from it: as many splits as fill
 # one wave of one program per SM, one split from ~67).
 HALF_BLOCK_SPLITS_BELOW = 8
@@ -564,7 +566,7 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
                    pdl=chained_launch(q.device))
         return out
     if owners is None:
-        owners = decode_query_len >= OWNER_MIN_ROWS
+        owners = OWNER_MIN_ROWS is not None and decode_query_len >= OWNER_MIN_ROWS
     if owners and block_owners_fit(q.shape[1] // kv_heads, decode_query_len, topk, dot_f32):
         return _owner_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, dot_f32,
                            chained_launch(q.device))
