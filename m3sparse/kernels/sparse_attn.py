@@ -149,8 +149,8 @@ def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, H, SPLITS: tl
 # 13.92-13.96 -> 12.80-12.90 (1 warp); 8 rows and TP1 32 x 128k even. That is up to 32 splits x 128 fp32 values per
 # warp; wider merges (top-k above 16) add a warp per such slice rather than spill its registers (not timed).
 MERGE_VALUES_PER_WARP = 32 * 128
-# Block-owner kernel: keys per chunk of its block and pipeline stages. 32 keys x 3 stages: 148 registers and 64 KB of
-# shared memory, three programs per SM (sm_90a build of Triton 3.9 on the CPU host; 64 x 2: 187 and 80 KB, two).
+# Block-owner kernel: keys per chunk of its block and pipeline stages. 32 keys x 3 stages: 143 registers and 64 KB of
+# shared memory, three programs per SM (sm_90a build of Triton 3.9 on the CPU host; 64 x 2: 184 and 80 KB, two).
 OWNER_BLOCK_N, OWNER_STAGES = 32, 3
 # Tile kernel launch: M = 64 rows (4 tokens x 16 heads), 64-key chunks, 3 stages (H200 sweep: docs/perf-notes.md)
 TILE_M, TILE_WARPS, TILE_STAGES, TILE_BLOCK_N = 64, 4, 3, 64

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .dependent_launch import release_consumer, wait_for_producer
-from .online_softmax import attend_keys, store_rows
+from .online_softmax import attend_keys, softmax_multipliers, store_rows
 
 # The most lanes (rows x padded head group) one owner program takes: its fp32 accumulator is lanes x D.
 MAX_OWNER_LANES = 64
@@ -73,12 +73,7 @@ def _block_owner_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
         page = tl.load(bt_ptr + b * bt_sb + mine)
         use = (page >= 0) & (page < num_pages)
         page = tl.where(use, page, 0).to(tl.int64)
-        k_mult = scale
-        v_mult = v_factor
-        if K_SCALE == 1:
-            k_mult = k_mult * tl.load(ks_ptr)
-        if V_SCALE == 1:
-            v_mult = v_mult * tl.load(vs_ptr)
+        k_mult, v_mult = softmax_multipliers(scale, v_factor, ks_ptr, vs_ptr, K_SCALE, V_SCALE)
         m_i = tl.full([RP * GP], float("-inf"), tl.float32)
         l_i = tl.zeros([RP * GP], tl.float32)
         acc = tl.zeros([RP * GP, D], tl.float32)
@@ -94,7 +89,8 @@ def _block_owner_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
             v = tl.load(base + D, mask=loaded[:, None], other=0.0)
             seen = live[:, None] & loaded[None, :] & (key_pos[None, :] <= p[:, None])
             m_i, l_i, acc = attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot_ix,
-                                        vs_ptr + g * vs_sh + slot_ix, loaded, K_SCALE, V_SCALE, DOT_F32, False)
-        store_rows(acc * v_mult, m_i, l_i, t, heads, live, q_ptr, 0, 0, m_ptr, l_ptr, acc_ptr, slot, TOPK, H, D,
-                   False)
+                                        vs_ptr + g * vs_sh + slot_ix, loaded, K_SCALE, V_SCALE, DOT_F32, True)
+        # The merge takes maxima in natural-log units; the softmax ran on exp2.
+        store_rows(acc * v_mult, m_i * 0.6931471805599453, l_i, t, heads, live, q_ptr, 0, 0, m_ptr, l_ptr, acc_ptr,
+                   slot, TOPK, H, D, False)
     release_consumer(PDL)
