@@ -267,8 +267,8 @@ def owner_lanes(group: int, decode_query_len: int) -> tuple[int, int]:
 
 def block_owners_fit(group: int, decode_query_len: int, topk: int, dot_f32: bool) -> bool:
     """Whether the block-owner kernel takes a decode launch: several rows per request and several blocks per row
-    (its k slots are split partials), M <= MAX_OWNER_LANES lanes, and 16-bit dots on a GPU (fp32 operands of
-    M = 64 lanes would not leave two programs per SM)."""
+    (its k slots are split partials), M <= MAX_OWNER_LANES lanes, and 16-bit dots on a GPU (fp32 operands would
+    double its shared memory; not built or timed)."""
     rows, gp = owner_lanes(group, decode_query_len)
     return decode_query_len > 1 and topk > 1 and rows * gp <= MAX_OWNER_LANES and (interpreting() or not dot_f32)
 
