@@ -4,8 +4,9 @@
 
 Forms (``sparse_attn_decode``'s switches): "per row" (each row its k blocks), "tile" (a request's block union in
 one tile, split over programs) and "owner N x S" (each block of a request's rows attended once, by the program of
-its first pair, in chunks of N keys and S pipeline stages). Each case is timed as the bench times decode: LAYERS_PER_GRAPH layers per CUDA graph, each layer
-on its own pages of one pool, the graphs replayed in turn so that a round reads >= 256 MB; median per layer, in µs.
+its first pair, in chunks of N keys and S pipeline stages). Each case is timed as the bench times decode:
+LAYERS_PER_GRAPH layers per CUDA graph, each layer on its own pages of one pool, the graphs replayed in turn so that
+a round reads >= 256 MB; median per layer, in µs.
 Rows of a request share 12 of their 16 blocks with its first row ("shared", criterion 4's case) or none
 ("independent"). Rounds alternate the forms; each form's output is compared with the first form's (max abs diff).
 """

@@ -1387,17 +1387,18 @@ BLOCK_OWNER_BATCHES = {  # target: batches of speculative rows (heads / KV heads
 
 def _speculative_overlap(ids: torch.Tensor, dql: int, pattern: str) -> torch.Tensor:
     """The indexer's ids [Hkv, T, k] with each request's later rows made to share blocks with its first row:
-    "indexer" as they are; "shared" slots 1..k-4 of the first row copied into every later row (which makes repeats
-    where a later row already held such a block elsewhere); "identical" every row the first row's ids. A later
-    row's own block is at or after the first row's, so a copied id stays valid for it."""
+    "indexer" as they are; "shared" slots 1..k-4 of the first row copied into every later row, as the bench's
+    speculative cases do (which makes repeats where a later row already held such a block elsewhere); "identical"
+    every row the first row's ids. A later row's own block is at or after the first row's, so a copied id stays
+    valid for it."""
+    from m3sparse.bench import _shared_ids
+    heads, rows, k = ids.shape
     if pattern == "indexer":
         return ids
-    heads, rows, k = ids.shape
-    out = ids.reshape(heads, rows // dql, dql, k).clone()
     if pattern == "shared":
-        out[:, :, 1:, 1:k - 3] = out[:, :, :1, 1:k - 3]
-    else:
-        out[:, :, 1:] = out[:, :, :1]
+        return _shared_ids(ids.contiguous(), dql, k - 4)
+    out = ids.reshape(heads, rows // dql, dql, k).clone()
+    out[:, :, 1:] = out[:, :, :1]
     return out.reshape(heads, rows, k)
 
 
