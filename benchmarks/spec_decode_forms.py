@@ -1,12 +1,12 @@
-"""Speculative decode attention in each of its three forms, timed side by side on one GPU (issue 5, criterion 4).
+"""Speculative decode attention in its two forms and at several splits, timed side by side on one GPU (issue 5,
+criterion 4).
 
     python benchmarks/spec_decode_forms.py [--cases 32:128k:4,8:32k:4] [--rounds 2] [--json PATH]
 
-Forms (``sparse_attn_decode``'s switches): "per row" (each row its k blocks), "tile" (a request's block union in
-one tile, split over programs) and "owner N x S" (each block of a request's rows attended once, by the program of
-its first pair, in chunks of N keys and S pipeline stages). Each case is timed as the bench times decode:
-LAYERS_PER_GRAPH layers per CUDA graph, each layer on its own pages of one pool, the graphs replayed in turn so that
-a round reads >= 256 MB; median per layer, in µs.
+Forms (``sparse_attn_decode``'s switches): "per row" (each row its k blocks) and "tile" (a request's block union in
+one tile), each at the launch rule's splits or at "xN" programs per row (per row) or per request (tile). Each case
+is timed as the bench times decode: LAYERS_PER_GRAPH layers per CUDA graph, each layer on its own pages of one pool,
+the graphs replayed in turn so that a round reads >= 256 MB; median per layer, in µs.
 Rows of a request share 12 of their 16 blocks with its first row ("shared", criterion 4's case) or none
 ("independent"). Rounds alternate the forms; each form's output is compared with the first form's (max abs diff).
 """
@@ -21,12 +21,10 @@ import m3sparse
 from m3sparse import bench
 import m3sparse.kernels.sparse_attn as SA
 
-# name: (sparse_attn_decode's switches, the block-owner launch's (keys per chunk, stages))
-FORMS = {"per row": (dict(rows_together=False, owners=False), None),
-         "tile": (dict(rows_together=True, owners=False), None),
-         "owner 32x3": (dict(rows_together=False, owners=True), (32, 3)),
-         "owner 32x2": (dict(rows_together=False, owners=True), (32, 2)),
-         "owner 64x2": (dict(rows_together=False, owners=True), (64, 2))}
+# name: sparse_attn_decode's switches
+FORMS = {"per row": dict(rows_together=False), "per row x2": dict(rows_together=False, splits=2),
+         "per row x4": dict(rows_together=False, splits=4), "tile": dict(rows_together=True),
+         "tile x8": dict(rows_together=True, splits=8), "tile x16": dict(rows_together=True, splits=16)}
 DEFAULT_CASES = "32:128k:4,32:32k:4,8:128k:4,8:32k:4,1:32k:4,128:32k:4,32:128k:2"
 
 
@@ -70,10 +68,7 @@ def run_case(requests: int, context: int, dql: int, heads: int, kv_heads: int, r
         key = "shared" if ids_name == "shared" else "ids"
         ops = {}
         for form in forms:
-            switches, pipeline = FORMS[form]
-            def op(s, switches=switches, pipeline=pipeline):
-                if pipeline is not None:
-                    SA.OWNER_BLOCK_N, SA.OWNER_STAGES = pipeline
+            def op(s, switches=FORMS[form]):
                 SA.sparse_attn_decode(s["q"], kv, s[key], s["table"], seq_lens, dql, bench.D ** -0.5, s["out"], None,
                                       None, **switches)
             ops[form] = op

@@ -1211,36 +1211,27 @@ def test_decode_attention_splits(target, splits, kv_dtype, rows_together):
     rows as one tile whose block union is split over 1, 3 and 16 programs (tile kernel), merged exactly, against
     the reference; padding rows 0. (These small per-row grids read each block's page one iteration ahead; on the
     GPU with 16-bit or fp8 dots in three stages.)"""
-    assert_decode_attention_matches_reference(target, kv_dtype, splits, splits=splits, rows_together=rows_together,
-                                              owners=False)
+    assert_decode_attention_matches_reference(target, kv_dtype, splits, splits=splits, rows_together=rows_together)
 
 
 @pytest.mark.parametrize("dql", [2, 3, 4])
 @pytest.mark.parametrize("min_tiles", [3, 4])
-@pytest.mark.parametrize("owner_min_rows", [None, 2])
-def test_decode_rows_together_rule(target, dql, min_tiles, owner_min_rows, monkeypatch):
+def test_decode_rows_together_rule(target, dql, min_tiles, monkeypatch):
     """By default a request's speculative rows go through the tile kernel as one tile from TILE_MIN_DECODE_TILES
     (request, KV head) tiles of at least 3 rows on, the union split over as many programs as fill one wave of
-    one per SM (at most k), chained as the rest of the decode step; else by block owner (a program per (request,
-    KV head, row slot)) from OWNER_MIN_ROWS rows per request, or per row. Output poisoned first, against the
-    reference."""
+    one per SM (at most k), chained as the rest of the decode step; else through the per-row kernel. Output
+    poisoned first, against the reference."""
     import m3sparse.kernels.sparse_attn as SA
     from m3sparse.kernels.dependent_launch import chained_launch
     monkeypatch.setattr(SA, "TILE_MIN_DECODE_TILES", min_tiles)
-    monkeypatch.setattr(SA, "OWNER_MIN_ROWS", owner_min_rows)
     monkeypatch.setattr(SA, "H200_SMS", 6)  # one wave of one program per SM: 2 per tile of 3, fewer than k
     launches = []
-    real_each, real = SA.launch_each, SA.launch
+    real = SA.launch_each
 
-    def spy_each(kernel, args, each):
+    def spy(kernel, args, each):
         launches.extend((kernel, grid, meta) for grid, meta in each)
-        return real_each(kernel, args, each)
-
-    def spy(kernel, grid, *args, **meta):
-        launches.append((kernel, grid, meta))
-        return real(kernel, grid, *args, **meta)
-    monkeypatch.setattr(SA, "launch_each", spy_each)
-    monkeypatch.setattr(SA, "launch", spy)
+        return real(kernel, args, each)
+    monkeypatch.setattr(SA, "launch_each", spy)
     batch = make_batch([(13, dql), (46, dql), (-dql, dql)], heads=4, kv_heads=1, block_size=16, decode_query_len=dql,
                        q_dtype=act_dtype(target), seed=dql, device=device_of(target))
     ids = batch.index_decode(impl=reference, topk=4)
@@ -1252,18 +1243,12 @@ def test_decode_rows_together_rule(target, dql, min_tiles, owner_min_rows, monke
     assert rel_err(out, batch.attn_decode(ids, impl=reference)) <= attn_tol(target, torch.float16)
     assert (out[[t for t, (b, _) in enumerate(batch.rows) if b < 0]] == 0).all()  # the padding request's rows
     tiles = [(grid, m) for kernel, grid, m in launches if kernel is SA._sparse_attn_tiles_kernel]
-    owners = [(grid, m) for kernel, grid, m in launches if kernel is SA._block_owner_kernel]
-    rows = [grid for kernel, grid, _ in launches if kernel is SA._sparse_attn_kernel]
     if dql >= 3 and min_tiles <= 3:
-        assert len(tiles) == 1 and owners == [] and rows == []
+        assert len(tiles) == 1
         grid, m = tiles[0]
         assert grid == (3, 1, 2) and m["PDL"] == chained_launch(out.device)
-    elif owner_min_rows is not None:
-        assert tiles == [] and rows == [] and len(owners) == 1
-        grid, m = owners[0]
-        assert grid == (3, 1, dql * 4) and m["PDL"] == chained_launch(out.device)
     else:
-        assert tiles == [] and owners == [] and len(rows) == 1
+        assert tiles == []
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
@@ -1280,7 +1265,7 @@ def test_decode_attention_half_block_splits(target, kv_dtype, monkeypatch):
         return real(kernel, grid, *args, **meta)
 
     monkeypatch.setattr(SA, "launch", spy)
-    assert_decode_attention_matches_reference(target, kv_dtype, 40, splits=1000, rows_together=False, owners=False)
+    assert_decode_attention_matches_reference(target, kv_dtype, 40, splits=1000, rows_together=False)
     assert launches, "no per-row launch"
     assert [(splits, 2 * block_n) for splits, block_n, _, _ in launches] == [(2 * k, bs) for _, _, bs, k in launches]
 
@@ -1299,8 +1284,7 @@ def test_decode_attention_splits_leave_no_program_without_a_block(target, splits
         return real(kernel, grid, *args, **meta)
 
     monkeypatch.setattr(SA, "launch", spy)
-    assert_decode_attention_matches_reference(target, torch.bfloat16, 50 + splits, splits=splits, rows_together=False,
-                                              owners=False)
+    assert_decode_attention_matches_reference(target, torch.bfloat16, 50 + splits, splits=splits, rows_together=False)
     assert launches, "no per-row launch"
     for grid_splits, chunks in launches:
         assert 1 < grid_splits <= splits and (grid_splits - 1) * -(-chunks // grid_splits) < chunks
@@ -1323,8 +1307,7 @@ def test_decode_attention_in_key_chunks(target, splits, kv_dtype, monkeypatch):
         return max(bs // 2, chunk_floor), stages
 
     monkeypatch.setattr(SA, "_row_pipeline", half_blocks)
-    assert_decode_attention_matches_reference(target, kv_dtype, 7 + splits, splits=splits, rows_together=False,
-                                              owners=False)
+    assert_decode_attention_matches_reference(target, kv_dtype, 7 + splits, splits=splits, rows_together=False)
     assert launches and all(bs // 2 >= chunk_floor for bs in launches), "no chunked launch"
 
 
@@ -1348,15 +1331,11 @@ def test_adversarial_and_permuted_ids(target):
     assert rel_err(got2, got) <= 1e-5 if target != "cuda" else rel_err(got2, got) <= 1e-2
 
 
-# How a request's speculative rows are attended: sparse_attn_decode's (rows_together, owners).
-DECODE_FORMS = {"per row": (False, False), "tile": (True, False), "block owner": (False, True)}
-
-
-@pytest.mark.parametrize("form", list(DECODE_FORMS))
-def test_adversarial_ids_in_speculative_decode(target, form):
-    """Decode rows of one request with duplicate, negative, huge and future ids (the tile kernel's union and the
-    block owners must drop them as the per-row kernel does), rows sharing most blocks, a request whose first rows
-    sit at negative positions, and a padding request."""
+@pytest.mark.parametrize("rows_together", [False, True])
+def test_adversarial_ids_in_speculative_decode(target, rows_together):
+    """Decode rows of one request with duplicate, negative, huge and future ids (the tile kernel's union must
+    drop them as the per-row kernel does), rows sharing most blocks, a request whose first rows sit at negative
+    positions, and a padding request."""
     from m3sparse.kernels.sparse_attn import sparse_attn_decode
     dev = device_of(target)
     batch = make_batch([(16 * 9 + 1, 3), (20, 3), (-1, 3), (-3, 3)], heads=4, kv_heads=2, block_size=16,
@@ -1367,82 +1346,11 @@ def test_adversarial_ids_in_speculative_decode(target, form):
     meta = batch.decode_meta()
     out = torch.full_like(batch.q, float("nan"))
     sparse_attn_decode(batch.q, batch.kv_cache, ids, batch.block_table, meta["seq_lens"], meta["decode_query_len"],
-                       128 ** -0.5, out, batch.k_scale, batch.v_scale, splits=2, rows_together=DECODE_FORMS[form][0],
-                       owners=DECODE_FORMS[form][1])
+                       128 ** -0.5, out, batch.k_scale, batch.v_scale, splits=2, rows_together=rows_together)
     ref = batch.attn_decode(ids, impl=reference)
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
     assert rel_err(out, ref) <= attn_tol(target, torch.float16)
     assert (out[9:] == 0).all()  # the padding request (no context)
-
-
-BLOCK_OWNER_BATCHES = {  # target: batches of speculative rows (heads / KV heads: 8/2, 4/1 and 16/1, 8/1 on a GPU)
-    "interpreter": [dict(requests=[(13 * 16 + 5, 4), (46, 4), (-4, 4), (-2, 4)], heads=8, kv_heads=2, block_size=16,
-                         decode_query_len=4),
-                    dict(requests=[(200, 2), (31, 2)], heads=4, kv_heads=1, block_size=16, decode_query_len=2)],
-    "cuda": [dict(requests=[(70_000, 4), (2046, 4), (-4, 4)], heads=16, kv_heads=1, block_size=128,
-                  decode_query_len=4),
-             dict(requests=[(9000, 3), (130, 3), (-2, 3)], heads=8, kv_heads=1, block_size=64, decode_query_len=3)],
-}
-
-
-def _speculative_overlap(ids: torch.Tensor, dql: int, pattern: str) -> torch.Tensor:
-    """The indexer's ids [Hkv, T, k] with each request's later rows made to share blocks with its first row:
-    "indexer" as they are; "shared" slots 1..k-4 of the first row copied into every later row, as the bench's
-    speculative cases do (which makes repeats where a later row already held such a block elsewhere); "identical"
-    every row the first row's ids. A later row's own block is at or after the first row's, so a copied id stays
-    valid for it."""
-    from m3sparse.bench import _shared_ids
-    heads, rows, k = ids.shape
-    if pattern == "indexer":
-        return ids
-    if pattern == "shared":
-        return _shared_ids(ids.contiguous(), dql, k - 4)
-    out = ids.reshape(heads, rows // dql, dql, k).clone()
-    out[:, :, 1:] = out[:, :, :1]
-    return out.reshape(heads, rows, k)
-
-
-@pytest.mark.parametrize("kv_dtype, scale_kind", [(torch.float16, "scalar"), (torch.bfloat16, "scalar"),
-                                                  (torch.float8_e4m3fn, "scalar"), (torch.float8_e5m2, "per_slot")])
-@pytest.mark.parametrize("pattern", ["indexer", "shared", "identical"])
-@pytest.mark.parametrize("batch_no", [0, 1])
-def test_decode_block_owners_match_reference(target, kv_dtype, scale_kind, pattern, batch_no, monkeypatch):
-    """Speculative rows by block owner: each block a request's rows chose attended by one program for all of them,
-    each row's k slots merged exactly; rows sharing blocks as the indexer picks them, sharing most of the first
-    row's, or all of them. The split partials come from a poisoned torch.empty (NaN bytes), so a slot no program
-    wrote poisons its row; output poisoned first, against the reference; padding rows 0."""
-    import m3sparse.kernels.sparse_attn as SA
-    if target == "interpreter" and kv_dtype == torch.bfloat16:
-        kv_dtype = torch.float16
-    spec = BLOCK_OWNER_BATCHES[target][batch_no]
-    batch = make_batch(**spec, q_dtype=act_dtype(target), kv_dtype=kv_dtype, scale_kind=scale_kind,
-                       seed=batch_no * 7 + len(pattern), device=device_of(target))
-    dql = spec["decode_query_len"]
-    ids = _speculative_overlap(batch.index_decode(impl=reference), dql, pattern)
-    ref = batch.attn_decode(ids, impl=reference)
-    grids = []
-    real, empty = SA.launch, torch.empty
-
-    def spy(kernel, grid, *args, **meta):
-        if kernel is SA._block_owner_kernel:
-            grids.append(grid)
-        return real(kernel, grid, *args, **meta)
-
-    def poisoned(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        t.view(torch.uint8).fill_(0xFF)
-        return t
-    monkeypatch.setattr(SA, "launch", spy)
-    monkeypatch.setattr(torch, "empty", poisoned)
-    out = torch.full_like(batch.q, float("nan"))
-    meta = batch.decode_meta()
-    SA.sparse_attn_decode(batch.q, batch.kv_cache, ids, batch.block_table, meta["seq_lens"], dql, 128 ** -0.5, out,
-                          batch.k_scale, batch.v_scale, rows_together=False, owners=True)
-    assert grids == [(len(spec["requests"]), spec["kv_heads"], dql * ids.shape[2])]
-    assert torch.isfinite(out).all(), "unwritten or non-finite output"
-    assert rel_err(out, ref) <= attn_tol(target, kv_dtype)
-    pad = [t for t, (b, _) in enumerate(batch.rows) if b < 0]
-    assert (out[pad] == 0).all()
 
 
 def _spread(t: torch.Tensor, fill) -> torch.Tensor:

@@ -9,8 +9,7 @@ chose it) for tiles of small unions, and the KV-block launches of ``sparse_attn_
 where those do not fit); the KV-block launches run on a stream of their own beside the tile attention.
 Speculative decode rows (three or more per request) go through the tile kernel (one tile per request, its union
 split over one wave of programs) once there are about as many requests x KV heads as SMs; fewer stay on the
-per-row kernel, whose short programs hide latency better, or, where asked, go by block owner
-(``sparse_attn_block_owners``: one short program per block of a request's union, for all the rows that chose it).
+per-row kernel, whose short programs hide latency better.
 """
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ from .dependent_launch import PDL_EARLY, chained_launch, dependent_launch_works,
 from .launch import launch, launch_each
 from .online_softmax import attend_keys, store_rows
 from .rows import locate_prefill
-from .sparse_attn_block_owners import MAX_OWNER_LANES, _block_owner_kernel
 from .sparse_attn_kv_major import counter_words, kv_major_fits, sparse_attn_kv_major
 from .sparse_attn_tiles import _sparse_attn_tiles_kernel
 from .tile_order import order_tile_rows
@@ -149,9 +147,6 @@ def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_st, o_sh, H, SPLITS: tl
 # 13.92-13.96 -> 12.80-12.90 (1 warp); 8 rows and TP1 32 x 128k even. That is up to 32 splits x 128 fp32 values per
 # warp; wider merges (top-k above 16) add a warp per such slice rather than spill its registers (not timed).
 MERGE_VALUES_PER_WARP = 32 * 128
-# Block-owner kernel: keys per chunk of its block and pipeline stages. 32 keys x 3 stages: 143 registers and 64 KB of
-# shared memory, three programs per SM (sm_90a build of Triton 3.9 on the CPU host; 64 x 2: 184 and 80 KB, two).
-OWNER_BLOCK_N, OWNER_STAGES = 32, 3
 # Tile kernel launch: M = 64 rows (4 tokens x 16 heads), 64-key chunks, 3 stages (H200 sweep: docs/perf-notes.md)
 TILE_M, TILE_WARPS, TILE_STAGES, TILE_BLOCK_N = 64, 4, 3, 64
 # Prefill tiles: the block unions are built by a launch of their own on one warp per tile (no cross-warp reduction,
@@ -169,9 +164,6 @@ UNION_WARPS = 1
 TILE_ORDER_GROUPS = ((8192, 128),)
 # Decode tiles: at least this many (request, KV head) tiles of at least this many speculative rows each.
 TILE_MIN_DECODE_TILES, TILE_MIN_DECODE_ROWS = 128, 3
-# Speculative rows per request from which the requests the tile kernel leaves go by block owner instead of per row;
-# None: none by default, until the form is timed on the GPU (docs/perf-notes.md v67).
-OWNER_MIN_ROWS = None
 # Decode rows x KV heads below which each row's blocks go in 2k half-block splits (from it: as many splits as fill
 # one wave of one program per SM, one split from ~67).
 HALF_BLOCK_SPLITS_BELOW = 8
@@ -256,39 +248,6 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
         WRITE_OUT=splits == 1, PDL=pdl, BLOCK_N=block_n, num_warps=4, num_stages=stages,
         launch_pdl=pdl > 0)
     _merge_split_partials(m, l, acc, out, splits, pdl)
-    return out
-
-
-def owner_lanes(group: int, decode_query_len: int) -> tuple[int, int]:
-    """(padded rows, padded head group) of a block-owner program: M = their product >= 16, a GPU dot's least."""
-    rows = next_pow2(decode_query_len)
-    return rows, max(next_pow2(group), cdiv(16, rows))
-
-
-def block_owners_fit(group: int, decode_query_len: int, topk: int, dot_f32: bool) -> bool:
-    """Whether the block-owner kernel takes a decode launch: several rows per request and several blocks per row
-    (its k slots are split partials), M <= MAX_OWNER_LANES lanes, and 16-bit dots on a GPU (fp32 operands would
-    double its shared memory; not built or timed)."""
-    rows, gp = owner_lanes(group, decode_query_len)
-    return decode_query_len > 1 and topk > 1 and rows * gp <= MAX_OWNER_LANES and (interpreting() or not dot_f32)
-
-
-def _owner_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, dot_f32, pdl):
-    """The block-owner kernel (``sparse_attn_block_owners``) into k split partials per row, then the split merge."""
-    num_tokens, num_heads, dim = q.shape
-    num_pages, kv_heads, bs, _ = kv_cache.shape
-    topk = topk_ids.shape[2]
-    group = num_heads // kv_heads
-    rows, gp = owner_lanes(group, decode_query_len)
-    m, l, acc = _split_partials(out, topk)
-    launch(_block_owner_kernel, (seq_lens.shape[0], kv_heads, decode_query_len * topk),
-           q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3], topk_ids, *topk_ids.stride(),
-           block_table, block_table.stride(0), block_table.shape[1], num_pages, seq_lens, decode_query_len,
-           sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, m, l, acc,
-           G=group, GP=gp, RP=rows, BS=bs, D=dim, TOPK=topk, TOPK_PAD=ids_pad(topk), K_SCALE=sc.k_mode,
-           V_SCALE=sc.v_mode, DOT_F32=dot_f32, BLOCK_N=min(bs, OWNER_BLOCK_N), PDL=pdl, num_warps=4,
-           num_stages=OWNER_STAGES, launch_pdl=pdl > 0)
-    _merge_split_partials(m, l, acc, out, topk, pdl)
     return out
 
 
@@ -531,11 +490,9 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
 
 
 def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, scale, out, k_scale,
-                       v_scale, splits=None, rows_together=None, owners=None):
+                       v_scale, splits=None, rows_together=None):
     """``splits``: programs per row (per-row kernel) or per request (tile kernel); ``rows_together``: whether the
-    speculative rows of a request go through the tile kernel (None: by the rule below); ``owners``: whether, where
-    they do not, each block a request's rows chose is attended once for all of them by the block-owner kernel
-    (None: by the rule below)."""
+    speculative rows of a request go through the tile kernel (None: by the rule below)."""
     if q.shape[0] == 0:
         return out
     sc = _Scales(q, kv_cache, scale, k_scale, v_scale)
@@ -565,11 +522,6 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
                    dot_f32, decode=(seq_lens, decode_query_len), splits=max(1, min(splits, topk)),
                    pdl=chained_launch(q.device))
         return out
-    if owners is None:
-        owners = OWNER_MIN_ROWS is not None and decode_query_len >= OWNER_MIN_ROWS
-    if owners and block_owners_fit(q.shape[1] // kv_heads, decode_query_len, topk, dot_f32):
-        return _owner_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, dot_f32,
-                           chained_launch(q.device))
     # Few rows cannot fill the GPU: split each row's blocks across programs and merge exactly.
     # Measured on the H200 (16-layer graphs, attend us, K / V read from HBM as the bench rotates them since v26):
     # below HALF_BLOCK_SPLITS_BELOW rows x KV heads, 2k half-block splits; from there as many splits as fill one wave
