@@ -1,4 +1,5 @@
-"""Where the rows and query tiles of a prefill batch sit: their request and positions (shared by the kernels)."""
+"""Where the rows and query tiles of a batch sit (their request and positions), and the blocks a row selected
+(shared by the kernels)."""
 from __future__ import annotations
 
 import triton
@@ -41,3 +42,21 @@ def prefill_request_rows(b, cu_ptr, ctx_ptr):
     """(first row, number of rows, position of the first row) of prefill request b."""
     row0 = tl.load(cu_ptr + b)
     return row0, tl.load(cu_ptr + b + 1) - row0, tl.load(ctx_ptr + b)
+
+
+@triton.jit
+def row_ids(ids_ptr, id_sk, c, width, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr):
+    """(slot index kk, ids, valid) [TOPK_PAD] of a row whose TOPK ids start at ids_ptr and whose own block is c:
+    valid keeps each in-range id once (its first occurrence); the kernels never dereference the rest."""
+    kk = tl.arange(0, TOPK_PAD)
+    ids = tl.load(ids_ptr + kk * id_sk, mask=kk < TOPK, other=-1)
+    earlier = kk[None, :] < kk[:, None]
+    dup = tl.max((earlier & (ids[None, :] == ids[:, None])).to(tl.int32), axis=1) > 0
+    return kk, ids, (ids >= 0) & (ids <= c) & (ids < width) & ~dup
+
+
+@triton.jit
+def slot_of(ids, pages, kk, i):
+    """(block id, page) of slot i of a row's ids and their pages (-1 where the slot holds no valid id)."""
+    pick = kk == i
+    return tl.sum(tl.where(pick, ids, 0), axis=0), tl.sum(tl.where(pick, pages, 0), axis=0)

@@ -26,18 +26,11 @@ from .common import H200_SMS, cdiv, dot_in_fp32, gluon_may_run, ids_pad, interpr
 from .dependent_launch import PDL_EARLY, chained_launch, dependent_launch_works, release_consumer, wait_for_producer
 from .launch import launch, launch_each
 from .online_softmax import attend_keys, store_rows
-from .rows import locate_prefill
+from .rows import locate_prefill, row_ids, slot_of
 from .sparse_attn_kv_major import counter_words, kv_major_fits, sparse_attn_kv_major
 from .sparse_attn_tiles import _sparse_attn_tiles_kernel
 from .sparse_attn_warp_streams import _warp_streams_kernel
 from .tile_order import order_tile_rows
-
-
-@triton.jit
-def _slot_of(ids, pages, kk, i):
-    """(block id, page) of slot i of a row's ids and their pages (-1 where the slot holds no valid id)."""
-    pick = kk == i
-    return tl.sum(tl.where(pick, ids, 0), axis=0), tl.sum(tl.where(pick, pages, 0), axis=0)
 
 
 @triton.jit
@@ -71,12 +64,7 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
             p = tl.where(inb, tl.load(ctx_ptr + b, mask=inb, other=0) + t - row0, -1)
         c = tl.where(p >= 0, p // BS, -1)
 
-        # The row's ids: keep each in-range id once (the first occurrence); never dereference the rest.
-        kk = tl.arange(0, TOPK_PAD)
-        ids = tl.load(ids_ptr + g * id_sh + t * id_st + kk * id_sk, mask=kk < TOPK, other=-1)
-        earlier = kk[None, :] < kk[:, None]
-        dup = tl.max((earlier & (ids[None, :] == ids[:, None])).to(tl.int32), axis=1) > 0
-        valid = (ids >= 0) & (ids <= c) & (ids < width) & ~dup
+        kk, ids, valid = row_ids(ids_ptr + g * id_sh + t * id_st, id_sk, c, width, TOPK, TOPK_PAD)
 
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, D)
@@ -104,7 +92,7 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
         # compiler can keep the next block's loads in flight while this one is reduced.
         # Each block in SUB chunks of BLOCK_N keys: smaller pipeline stages let more programs share an SM.
         for chunk in range(lo, tl.minimum(TOPK * SUB, lo + per_split)):
-            blk, page = _slot_of(ids, pages, kk, chunk // SUB)
+            blk, page = slot_of(ids, pages, kk, chunk // SUB)
             j = (chunk % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
             use = (page >= 0) & (page < num_pages)
             page = tl.where(use, page, 0).to(tl.int64)

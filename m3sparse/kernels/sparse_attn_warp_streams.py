@@ -18,6 +18,7 @@ import triton.language as tl
 
 from .dependent_launch import release_consumer, wait_for_producer
 from .online_softmax import softmax_multipliers, store_rows
+from .rows import row_ids, slot_of
 
 
 @triton.jit
@@ -35,12 +36,7 @@ def _warp_streams_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr
     p = tl.load(seq_ptr + b) - DQL + t % DQL
     c = tl.where(p >= 0, p // BS, -1)
 
-    # The row's ids: keep each in-range id once (the first occurrence); never dereference the rest.
-    kk = tl.arange(0, TOPK_PAD)
-    ids = tl.load(ids_ptr + g * id_sh + t * id_st + kk * id_sk, mask=kk < TOPK, other=-1)
-    earlier = kk[None, :] < kk[:, None]
-    dup = tl.max((earlier & (ids[None, :] == ids[:, None])).to(tl.int32), axis=1) > 0
-    valid = (ids >= 0) & (ids <= c) & (ids < width) & ~dup
+    kk, ids, valid = row_ids(ids_ptr + g * id_sh + t * id_st, id_sk, c, width, TOPK, TOPK_PAD)
     pages = tl.load(bt_ptr + b * bt_sb + ids, mask=valid, other=-1)
 
     h = tl.arange(0, BLOCK_H)
@@ -57,9 +53,7 @@ def _warp_streams_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr
     l_i = tl.zeros([W, BLOCK_H], tl.float32)
     acc = tl.zeros([W, BLOCK_H, D], tl.float32)
     for chunk in range(0, TOPK * SUB):
-        pick = kk == chunk // SUB
-        blk = tl.sum(tl.where(pick, ids, 0), axis=0)
-        page = tl.sum(tl.where(pick, pages, 0), axis=0)
+        blk, page = slot_of(ids, pages, kk, chunk // SUB)
         use = (page >= 0) & (page < num_pages)
         page = tl.where(use, page, 0).to(tl.int64)
         j = (chunk % SUB) * BLOCK_N + key
