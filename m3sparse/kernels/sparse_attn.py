@@ -23,7 +23,8 @@ import triton.language as tl
 
 from .._validation import FP8_DTYPES
 from .common import H200_SMS, cdiv, dot_in_fp32, gluon_may_run, ids_pad, interpreting, next_pow2, scale_args
-from .dependent_launch import PDL_EARLY, chained_launch, dependent_launch_works, release_consumer, wait_for_producer
+from .dependent_launch import (PDL_EARLY, PDL_OFF, chained_launch, dependent_launch_works, release_consumer,
+                               wait_for_producer)
 from .launch import launch, launch_each
 from .online_softmax import attend_keys, store_rows
 from .rows import locate_prefill, row_ids, slot_of
@@ -161,7 +162,7 @@ HALF_BLOCK_SPLITS_BELOW = 8
 # its three-stage form wins (see _row_pipeline).
 ONE_SPLIT_CHUNK, SHORT_SECOND_WAVE = 64, 208
 # Warp-stream decode: warps, keys per chunk (16 per warp: a dot's least K) and stages. sm_90a build of Triton 3.9 on
-# the CPU host, 16/1 heads, bf16: 173 registers, no spills, 64 KB of shared memory, 2 barriers per chunk (whole
+# the CPU host, 16/1 heads, bf16: 208 registers, no spills, 64 KB of shared memory, 2 barriers per chunk (whole
 # 128-key chunks: 255 registers and spills). Rows x KV heads from which one-split decode takes it by default; None:
 # none, until it is timed on the GPU (docs/perf-notes.md v68).
 WARP_STREAMS, WARP_STREAM_CHUNK, WARP_STREAM_STAGES = 4, 64, 3
@@ -554,13 +555,12 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
     num_programs = q.shape[0] * kv_heads
     if splits is None:
         splits = 2 * topk if num_programs < HALF_BLOCK_SPLITS_BELOW else max(1, H200_SMS // num_programs)
-    pdl = PDL_EARLY if splits == 1 and dependent_launch_works(q.device) else chained_launch(q.device)
     if warp_streams is None:
         warp_streams = (WARP_STREAMS_MIN_PROGRAMS is not None and splits == 1
                         and num_programs >= WARP_STREAMS_MIN_PROGRAMS)
     if warp_streams and warp_streams_fit(q.shape[1] // kv_heads, kv_cache.shape[2], dot_f32):
-        pdl = PDL_EARLY if dependent_launch_works(q.device) else chained_launch(q.device)
         return _warp_streams_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, dot_f32,
-                                  pdl)
+                                  PDL_EARLY if dependent_launch_works(q.device) else PDL_OFF)
+    pdl = PDL_EARLY if splits == 1 and dependent_launch_works(q.device) else chained_launch(q.device)
     return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, dot_f32,
                      pdl=pdl)
