@@ -1185,12 +1185,16 @@ def test_sparse_attn_matches_reference(target, name, kv_dtype, layout, scale_kin
     assert (got[pad] == 0).all()
 
 
+def speculative_decode_case(target: str) -> dict:
+    """make_batch's arguments for the speculative decode rows the decode attention tests run on."""
+    return cases_for(target)["speculative-edge" if target != "cuda" else "tp8-spec-decode"]
+
+
 def assert_decode_attention_matches_reference(target, kv_dtype, seed, scale_kind="scalar", **launch):
     """``sparse_attn_decode`` (with ``launch``: splits, rows_together, warp_streams) on speculative rows against
     the reference; output poisoned first, padding rows 0."""
     from m3sparse.kernels.sparse_attn import sparse_attn_decode
-    name = "speculative-edge" if target != "cuda" else "tp8-spec-decode"
-    spec = dict(cases_for(target)[name], q_dtype=act_dtype(target))
+    spec = dict(speculative_decode_case(target), q_dtype=act_dtype(target))
     batch = make_batch(**spec, kv_dtype=kv_dtype, scale_kind=scale_kind, seed=seed, device=device_of(target))
     ids = batch.index_decode(impl=reference)
     meta = batch.decode_meta()
@@ -1233,8 +1237,7 @@ def test_decode_warp_streams_match_reference(target, kv_dtype, scale_kind, seed,
     monkeypatch.setattr(SA, "launch", spy)
     assert_decode_attention_matches_reference(target, kv_dtype, seed, scale_kind=scale_kind, rows_together=False,
                                               warp_streams=True)
-    name = "speculative-edge" if target != "cuda" else "tp8-spec-decode"
-    spec = cases_for(target)[name]
+    spec = speculative_decode_case(target)
     rows = sum(n for _, n in spec["requests"])
     assert grids == [(SA._warp_streams_kernel, (rows, spec.get("kv_heads", 2)))]
 
