@@ -1,13 +1,12 @@
-"""Speculative decode attention in its forms and at several splits, timed side by side on one GPU (issue 5,
+"""Speculative decode attention in its two forms and at several splits, timed side by side on one GPU (issue 5,
 criterion 4).
 
     python benchmarks/spec_decode_forms.py [--cases 32:128k:4,8:32k:4] [--rounds 2] [--json PATH]
 
 Forms (``sparse_attn_decode``'s switches): "per row" (each row its k blocks) and "tile" (a request's block union in
-one tile), each at the launch rule's splits or at "xN" programs per row (per row) or per request (tile), and "warp
-streams" (one program per row, each warp its own slice of every chunk's keys). Each case is timed as the bench
-times decode: LAYERS_PER_GRAPH layers per CUDA graph, each layer on its own pages of one pool, the graphs replayed
-in turn so that a round reads >= 256 MB; median per layer, in µs.
+one tile), each at the launch rule's splits or at "xN" programs per row (per row) or per request (tile). Each case
+is timed as the bench times decode: LAYERS_PER_GRAPH layers per CUDA graph, each layer on its own pages of one pool,
+the graphs replayed in turn so that a round reads >= 256 MB; median per layer, in µs.
 Rows of a request share 12 of their 16 blocks with its first row ("shared", criterion 4's case) or none
 ("independent"). Rounds alternate the forms; each form's output is compared with the first form's (max abs diff).
 """
@@ -25,8 +24,7 @@ import m3sparse.kernels.sparse_attn as SA
 # name: sparse_attn_decode's switches
 FORMS = {"per row": dict(rows_together=False), "per row x2": dict(rows_together=False, splits=2),
          "per row x4": dict(rows_together=False, splits=4), "tile": dict(rows_together=True),
-         "tile x8": dict(rows_together=True, splits=8), "tile x16": dict(rows_together=True, splits=16),
-         "warp streams": dict(rows_together=False, warp_streams=True)}
+         "tile x8": dict(rows_together=True, splits=8), "tile x16": dict(rows_together=True, splits=16)}
 DEFAULT_CASES = "32:128k:4,32:32k:4,8:128k:4,8:32k:4,1:32k:4,128:32k:4,32:128k:2"
 
 

@@ -1185,17 +1185,13 @@ def test_sparse_attn_matches_reference(target, name, kv_dtype, layout, scale_kin
     assert (got[pad] == 0).all()
 
 
-def speculative_decode_case(target: str) -> dict:
-    """make_batch's arguments for the speculative decode rows the decode attention tests run on."""
-    return cases_for(target)["speculative-edge" if target != "cuda" else "tp8-spec-decode"]
-
-
-def assert_decode_attention_matches_reference(target, kv_dtype, seed, scale_kind="scalar", **launch):
-    """``sparse_attn_decode`` (with ``launch``: splits, rows_together, warp_streams) on speculative rows against
-    the reference; output poisoned first, padding rows 0."""
+def assert_decode_attention_matches_reference(target, kv_dtype, seed, **launch):
+    """``sparse_attn_decode`` (with ``launch``: splits, rows_together) on speculative rows against the reference;
+    output poisoned first, padding rows 0."""
     from m3sparse.kernels.sparse_attn import sparse_attn_decode
-    spec = dict(speculative_decode_case(target), q_dtype=act_dtype(target))
-    batch = make_batch(**spec, kv_dtype=kv_dtype, scale_kind=scale_kind, seed=seed, device=device_of(target))
+    name = "speculative-edge" if target != "cuda" else "tp8-spec-decode"
+    spec = dict(cases_for(target)[name], q_dtype=act_dtype(target))
+    batch = make_batch(**spec, kv_dtype=kv_dtype, scale_kind="scalar", seed=seed, device=device_of(target))
     ids = batch.index_decode(impl=reference)
     meta = batch.decode_meta()
     out = torch.full_like(batch.q, float("nan"))
@@ -1218,44 +1214,16 @@ def test_decode_attention_splits(target, splits, kv_dtype, rows_together):
     assert_decode_attention_matches_reference(target, kv_dtype, splits, splits=splits, rows_together=rows_together)
 
 
-@pytest.mark.parametrize("kv_dtype, scale_kind", [(torch.float16, "scalar"), (torch.bfloat16, "scalar"),
-                                                  (torch.float8_e4m3fn, "scalar"), (torch.float8_e5m2, "per_slot")])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_decode_warp_streams_match_reference(target, kv_dtype, scale_kind, seed, monkeypatch):
-    """Decode rows by warp streams (each warp its own slice of every chunk's keys, the warps' states merged once
-    per program) against the reference, with fp8 scales per tensor and per slot; one launch of one program per
-    (row, KV head); output poisoned first, padding rows 0."""
-    import m3sparse.kernels.sparse_attn as SA
-    if target == "interpreter" and kv_dtype == torch.bfloat16:
-        kv_dtype = torch.float16
-    grids = []
-    real = SA.launch
-
-    def spy(kernel, grid, *args, **meta):
-        grids.append((kernel, grid))
-        return real(kernel, grid, *args, **meta)
-    monkeypatch.setattr(SA, "launch", spy)
-    assert_decode_attention_matches_reference(target, kv_dtype, seed, scale_kind=scale_kind, rows_together=False,
-                                              warp_streams=True)
-    spec = speculative_decode_case(target)
-    rows = sum(n for _, n in spec["requests"])
-    assert grids == [(SA._warp_streams_kernel, (rows, spec.get("kv_heads", 2)))]
-
-
 @pytest.mark.parametrize("dql", [2, 3, 4])
 @pytest.mark.parametrize("min_tiles", [3, 4])
-@pytest.mark.parametrize("warp_min", [None, 1])
-def test_decode_rows_together_rule(target, dql, min_tiles, warp_min, monkeypatch):
+def test_decode_rows_together_rule(target, dql, min_tiles, monkeypatch):
     """By default a request's speculative rows go through the tile kernel as one tile from TILE_MIN_DECODE_TILES
     (request, KV head) tiles of at least 3 rows on, the union split over as many programs as fill one wave of
-    one per SM (at most k), chained as the rest of the decode step; else by warp streams where one split per row
-    fills the GPU, from WARP_STREAMS_MIN_PROGRAMS rows x KV heads and where the kernel fits, or per row. Output
+    one per SM (at most k), chained as the rest of the decode step; else through the per-row kernel. Output
     poisoned first, against the reference."""
     import m3sparse.kernels.sparse_attn as SA
-    from m3sparse.kernels.common import dot_in_fp32
     from m3sparse.kernels.dependent_launch import chained_launch
     monkeypatch.setattr(SA, "TILE_MIN_DECODE_TILES", min_tiles)
-    monkeypatch.setattr(SA, "WARP_STREAMS_MIN_PROGRAMS", warp_min)
     monkeypatch.setattr(SA, "H200_SMS", 6)  # one wave of one program per SM: 2 per tile of 3, fewer than k
     launches = []
     real_each, real = SA.launch_each, SA.launch
@@ -1280,18 +1248,13 @@ def test_decode_rows_together_rule(target, dql, min_tiles, warp_min, monkeypatch
     assert rel_err(out, batch.attn_decode(ids, impl=reference)) <= attn_tol(target, torch.float16)
     assert (out[[t for t, (b, _) in enumerate(batch.rows) if b < 0]] == 0).all()  # the padding request's rows
     tiles = [(grid, m) for kernel, grid, m in launches if kernel is SA._sparse_attn_tiles_kernel]
-    streams = [grid for kernel, grid, _ in launches if kernel is SA._warp_streams_kernel]
     rows = [grid for kernel, grid, _ in launches if kernel is SA._sparse_attn_kernel]
-    # 3 requests x dql rows: from 9 rows one split per row fills the 6 "SMs"; 6 rows take half-block splits.
-    fits = SA.warp_streams_fit(4, 16, dot_in_fp32(batch.q.dtype, batch.kv_cache.dtype))
     if dql >= 3 and min_tiles <= 3:
-        assert len(tiles) == 1 and streams == [] and rows == []
+        assert len(tiles) == 1 and rows == []
         grid, m = tiles[0]
         assert grid == (3, 1, 2) and m["PDL"] == chained_launch(out.device)
-    elif warp_min is not None and dql >= 3 and fits:
-        assert tiles == [] and rows == [] and streams == [(3 * dql, 1)]
     else:
-        assert tiles == [] and streams == [] and len(rows) == 1
+        assert tiles == [] and len(rows) == 1
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
@@ -1374,15 +1337,11 @@ def test_adversarial_and_permuted_ids(target):
     assert rel_err(got2, got) <= 1e-5 if target != "cuda" else rel_err(got2, got) <= 1e-2
 
 
-# How a request's speculative rows are attended: sparse_attn_decode's (rows_together, warp_streams).
-DECODE_FORMS = {"per row": (False, False), "tile": (True, False), "warp streams": (False, True)}
-
-
-@pytest.mark.parametrize("form", list(DECODE_FORMS))
-def test_adversarial_ids_in_speculative_decode(target, form):
-    """Decode rows of one request with duplicate, negative, huge and future ids (the tile kernel's union and the
-    warp streams must drop them as the per-row kernel does), rows sharing most blocks, a request whose first rows
-    sit at negative positions, and a padding request."""
+@pytest.mark.parametrize("rows_together", [False, True])
+def test_adversarial_ids_in_speculative_decode(target, rows_together):
+    """Decode rows of one request with duplicate, negative, huge and future ids (the tile kernel's union must
+    drop them as the per-row kernel does), rows sharing most blocks, a request whose first rows sit at negative
+    positions, and a padding request."""
     from m3sparse.kernels.sparse_attn import sparse_attn_decode
     dev = device_of(target)
     batch = make_batch([(16 * 9 + 1, 3), (20, 3), (-1, 3), (-3, 3)], heads=4, kv_heads=2, block_size=16,
@@ -1393,8 +1352,7 @@ def test_adversarial_ids_in_speculative_decode(target, form):
     meta = batch.decode_meta()
     out = torch.full_like(batch.q, float("nan"))
     sparse_attn_decode(batch.q, batch.kv_cache, ids, batch.block_table, meta["seq_lens"], meta["decode_query_len"],
-                       128 ** -0.5, out, batch.k_scale, batch.v_scale, splits=2, rows_together=DECODE_FORMS[form][0],
-                       warp_streams=DECODE_FORMS[form][1])
+                       128 ** -0.5, out, batch.k_scale, batch.v_scale, splits=2, rows_together=rows_together)
     ref = batch.attn_decode(ids, impl=reference)
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
     assert rel_err(out, ref) <= attn_tol(target, torch.float16)

@@ -9,8 +9,7 @@ chose it) for tiles of small unions, and the KV-block launches of ``sparse_attn_
 where those do not fit); the KV-block launches run on a stream of their own beside the tile attention.
 Speculative decode rows (three or more per request) go through the tile kernel (one tile per request, its union
 split over one wave of programs) once there are about as many requests x KV heads as SMs; fewer stay on the
-per-row kernel, whose short programs hide latency better. Where asked, one-split decode rows go by warp streams
-instead (``sparse_attn_warp_streams``: each warp its own share of every chunk's keys, merged once per program).
+per-row kernel, whose short programs hide latency better.
 """
 from __future__ import annotations
 
@@ -23,14 +22,12 @@ import triton.language as tl
 
 from .._validation import FP8_DTYPES
 from .common import H200_SMS, cdiv, dot_in_fp32, gluon_may_run, ids_pad, interpreting, next_pow2, scale_args
-from .dependent_launch import (PDL_EARLY, PDL_OFF, chained_launch, dependent_launch_works, release_consumer,
-                               wait_for_producer)
+from .dependent_launch import PDL_EARLY, chained_launch, dependent_launch_works, release_consumer, wait_for_producer
 from .launch import launch, launch_each
 from .online_softmax import attend_keys, store_rows
 from .rows import locate_prefill, row_ids, slot_of
 from .sparse_attn_kv_major import counter_words, kv_major_fits, sparse_attn_kv_major
 from .sparse_attn_tiles import _sparse_attn_tiles_kernel
-from .sparse_attn_warp_streams import _warp_streams_kernel
 from .tile_order import order_tile_rows
 
 
@@ -161,12 +158,6 @@ HALF_BLOCK_SPLITS_BELOW = 8
 # One-split decode: the key chunk that fits more programs per SM than whole blocks, and the grid size up to which
 # its three-stage form wins (see _row_pipeline).
 ONE_SPLIT_CHUNK, SHORT_SECOND_WAVE = 64, 208
-# Warp-stream decode: warps, keys per chunk (16 per warp: a dot's least K) and stages. sm_90a build of Triton 3.9 on
-# the CPU host, 16/1 heads, bf16: 208 registers, no spills, 64 KB of shared memory, 2 barriers per chunk (whole
-# 128-key chunks: 255 registers and spills). Rows x KV heads from which one-split decode takes it by default; None:
-# none, until it is timed on the GPU (docs/perf-notes.md v68).
-WARP_STREAMS, WARP_STREAM_CHUNK, WARP_STREAM_STAGES = 4, 64, 3
-WARP_STREAMS_MIN_PROGRAMS = None
 # Prefill batches of at most this many rows x KV heads leave the tiles' rows to the per-row kernel, not to the
 # KV-block launches: there the per-row kernel's GPU time is within ~10 us of theirs (at 1k rows on a 120k prefix,
 # random selections: 173 against 164 us; faster at short contexts), and one launch instead of four plus two torch
@@ -245,29 +236,6 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
         WRITE_OUT=splits == 1, PDL=pdl, BLOCK_N=block_n, num_warps=4, num_stages=stages,
         launch_pdl=pdl > 0)
     _merge_split_partials(m, l, acc, out, splits, pdl)
-    return out
-
-
-def warp_streams_fit(group: int, bs: int, dot_f32: bool) -> bool:
-    """Whether the warp-stream kernel takes a decode launch: a head group of at most 16 (its per-warp accumulator
-    is 16 x D), 16-bit dots and blocks of whole chunks on a GPU (fp32 operands: not built or timed)."""
-    return next_pow2(group) <= 16 and (interpreting() or (not dot_f32 and bs % WARP_STREAM_CHUNK == 0))
-
-
-def _warp_streams_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, dot_f32, pdl):
-    """The warp-stream kernel (``sparse_attn_warp_streams``): one program per (row, KV head), output written
-    directly."""
-    num_tokens, num_heads, dim = q.shape
-    num_pages, kv_heads, bs, _ = kv_cache.shape
-    topk = topk_ids.shape[2]
-    launch(_warp_streams_kernel, (num_tokens, kv_heads),
-           q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3], topk_ids, *topk_ids.stride(),
-           block_table, block_table.stride(0), block_table.shape[1], num_pages, seq_lens, decode_query_len,
-           sc.ks, sc.ks_h, sc.vs, sc.vs_h, sc.k_mult, sc.v_val, out, *out.stride()[:2],
-           G=num_heads // kv_heads, BLOCK_H=16, BS=bs, D=dim, TOPK=topk, TOPK_PAD=ids_pad(topk),
-           K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32, PDL=pdl, W=WARP_STREAMS,
-           BLOCK_N=min(bs, WARP_STREAM_CHUNK), num_warps=WARP_STREAMS, num_stages=WARP_STREAM_STAGES,
-           launch_pdl=pdl > 0)
     return out
 
 
@@ -510,11 +478,9 @@ def sparse_attn_prefill(q, kv_cache, topk_ids, block_table, cu_seqlens_q, seq_le
 
 
 def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, scale, out, k_scale,
-                       v_scale, splits=None, rows_together=None, warp_streams=None):
+                       v_scale, splits=None, rows_together=None):
     """``splits``: programs per row (per-row kernel) or per request (tile kernel); ``rows_together``: whether the
-    speculative rows of a request go through the tile kernel (None: by the rule below); ``warp_streams``: whether
-    rows the tile kernel does not take go through the warp-stream kernel, one program per row (None: by the rule
-    below)."""
+    speculative rows of a request go through the tile kernel (None: by the rule below)."""
     if q.shape[0] == 0:
         return out
     sc = _Scales(q, kv_cache, scale, k_scale, v_scale)
@@ -555,12 +521,6 @@ def sparse_attn_decode(q, kv_cache, topk_ids, block_table, seq_lens, decode_quer
     num_programs = q.shape[0] * kv_heads
     if splits is None:
         splits = 2 * topk if num_programs < HALF_BLOCK_SPLITS_BELOW else max(1, H200_SMS // num_programs)
-    if warp_streams is None:
-        warp_streams = (WARP_STREAMS_MIN_PROGRAMS is not None and splits == 1
-                        and num_programs >= WARP_STREAMS_MIN_PROGRAMS)
-    if warp_streams and warp_streams_fit(q.shape[1] // kv_heads, kv_cache.shape[2], dot_f32):
-        return _warp_streams_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, dot_f32,
-                                  PDL_EARLY if dependent_launch_works(q.device) else PDL_OFF)
     pdl = PDL_EARLY if splits == 1 and dependent_launch_works(q.device) else chained_launch(q.device)
     return _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc, out, splits, dot_f32,
                      pdl=pdl)
