@@ -1,0 +1,81 @@
+"""Nsight Compute profile of the per-row decode launch in several pipeline shapes (GPU; issue 5, criterion 4).
+
+    python benchmarks/profile_row_decode.py [--shapes 1:128:3,2:64:3] [--ids shared] [--out DIR]
+
+Each shape is splits:keys per chunk:stages, forced on ``_row_pipeline`` (by default the launch rule picks them).
+For each, ncu profiles one ``_sparse_attn_kernel`` launch at 32 requests x 128k x 4 speculative rows, 16/1 heads,
+whose rows share 12 of their 16 blocks with their request's first row ("shared", criterion 4's case) or not
+("ids"), and prints the duration, the L1 / shared-memory pipe's and the L2's throughput, the shared-memory
+wavefronts and bank conflicts, issue activity, and the warp stalls per issued instruction. The whole ncu report
+of each shape goes to DIR. Why: v12, v35 and v68 found that a second program per SM leaves the shared case's time
+unchanged, and none measured which SM resource the two programs share (docs/perf-notes.md v69).
+
+``--launch SPLITS CHUNK STAGES IDS`` runs the launches ncu profiles (three layers; ncu takes the third).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+STALLS = ("wait", "short_scoreboard", "long_scoreboard", "barrier", "mio_throttle", "lg_throttle",
+          "math_pipe_throttle", "selected", "not_selected", "dispatch_stall", "no_instruction", "branch_resolving",
+          "drain", "membar", "misc")
+METRICS = ("gpu__time_duration.sum", "sm__cycles_elapsed.avg", "smsp__inst_executed.sum",
+           "smsp__issue_active.avg.pct_of_peak_sustained_active", "sm__warps_active.avg.per_cycle_active",
+           "l1tex__throughput.avg.pct_of_peak_sustained_elapsed",
+           "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
+           "lts__throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes_read.sum",
+           *(f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in STALLS))
+
+
+def launch(splits: int, chunk: int, stages: int, ids: str) -> None:
+    import torch
+    sys.path.insert(0, os.path.dirname(__file__))
+    import spec_decode_forms as forms
+    from m3sparse import bench
+    import m3sparse.kernels.sparse_attn as SA
+    SA._row_pipeline = lambda *args, **kwargs: (chunk, stages)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers, seq_lens, kv, _ = forms._layers(32, 128 * 1024, 4, 16, 1, gen)
+    for s in layers[:3]:
+        SA.sparse_attn_decode(s["q"], kv, s[ids], s["table"], seq_lens, 4, bench.D ** -0.5, s["out"], None, None,
+                              rows_together=False, splits=splits)
+    torch.cuda.synchronize()
+
+
+def profile(shape: str, ids: str, out: str) -> None:
+    splits, chunk, stages = shape.split(":")
+    report = os.path.join(out, f"ncu-{ids}-{splits}-{chunk}-{stages}.txt")
+    cmd = ["ncu", "--kernel-name", "regex:_sparse_attn_kernel", "--launch-skip", "2", "--launch-count", "1",
+           "--section", "SpeedOfLight", "--section", "Occupancy", "--metrics", ",".join(METRICS),
+           sys.executable, __file__, "--launch", splits, chunk, stages, ids]
+    with open(report, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=120).returncode
+    print(f"== {ids}, {splits} splits of {chunk}-key chunks x {stages} stages: ncu exit {rc}", flush=True)
+    lines = open(report).read().splitlines()
+    for line in lines if rc == 0 else lines[-8:]:
+        words = line.split()
+        if rc or (words and (words[0] in METRICS or line.strip().startswith(("Achieved Occupancy", "Duration")))):
+            print("  " + " ".join(words))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="1:128:3,2:64:3")
+    ap.add_argument("--ids", default="shared", choices=("shared", "ids"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
+    ap.add_argument("--launch", nargs=4, metavar=("SPLITS", "CHUNK", "STAGES", "IDS"))
+    args = ap.parse_args(argv)
+    if args.launch:
+        splits, chunk, stages, ids = args.launch
+        launch(int(splits), int(chunk), int(stages), ids)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    for shape in args.shapes.split(","):
+        profile(shape, args.ids, args.out)
+
+
+if __name__ == "__main__":
+    main()
