@@ -1,9 +1,11 @@
 """The benchmark scripts measure what they claim to: the decode floor scripts' kernels under the interpreter (their
 timings need a GPU; there each run checks its results the same way), the tile kernel script's inputs and fit, the
-power probe's reading of nvidia-smi's samples, the union counts of the tile union script."""
+power probe's reading of nvidia-smi's samples, the union counts of the tile union script, the decode profile's
+ncu command and report filter."""
 from __future__ import annotations
 
 import importlib
+import os
 import pathlib
 import statistics
 
@@ -136,3 +138,41 @@ def test_tile_unions_count_each_valid_block_of_a_group_once(tile_unions, rows):
     want = [len({int(x) for x in ids[g * rows:(g + 1) * rows].flatten() if x >= 0})
             for g in range(ids.shape[0] // rows)]
     assert got.tolist() == want
+
+
+@pytest.fixture
+def profile_row_decode(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module("profile_row_decode")
+
+
+@pytest.mark.parametrize("exit_code", [0, 3])
+def test_profile_row_decode_asks_ncu_for_its_shape_and_prints_its_metrics(profile_row_decode, tmp_path, monkeypatch,
+                                                                          capsys, exit_code):
+    """A stand-in ncu records its arguments and prints a report: the script must ask for the one launch of the
+    shape it was given (splits, chunk, stages, ids forwarded to its own --launch), print every requested metric's
+    line and no other line, and on a failed ncu print the report's tail instead."""
+    metric = profile_row_decode.METRICS[5]
+    fake = tmp_path / "bin" / "ncu"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\n"
+                    f"echo \"$@\" > {tmp_path / 'args'}\n"
+                    "echo '==PROF== Connected to process'\n"
+                    f"echo '    {metric}    %    71.25'\n"
+                    "echo '    not_a_metric    %    1'\n"
+                    "echo '    Achieved Occupancy    %    6.25'\n"
+                    f"exit {exit_code}\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    profile_row_decode.main(["--shapes", "2:64:3", "--ids", "ids", "--out", str(tmp_path / "out")])
+    args = (tmp_path / "args").read_text().split()
+    assert args[args.index("--launch-count") + 1] == "1"
+    assert args[-5:] == ["--launch", "2", "64", "3", "ids"]
+    assert set(args[args.index("--metrics") + 1].split(",")) == set(profile_row_decode.METRICS)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"== ids, 2 splits of 64-key chunks x 3 stages: ncu exit {exit_code}"
+    if exit_code == 0:
+        assert printed[1:] == [f"  {metric} % 71.25", "  Achieved Occupancy % 6.25"]
+    else:
+        assert "  not_a_metric % 1" in printed and "  ==PROF== Connected to process" in printed
+    assert (tmp_path / "out" / "ncu-ids-2-64-3.txt").exists()
