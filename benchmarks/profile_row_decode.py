@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -54,11 +55,12 @@ def profile(shape: str, ids: str, out: str) -> None:
     with open(report, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=120).returncode
     print(f"== {ids}, {splits} splits of {chunk}-key chunks x {stages} stages: ncu exit {rc}", flush=True)
-    lines = open(report).read().splitlines()
-    for line in lines if rc == 0 else lines[-8:]:
-        words = line.split()
-        if rc or (words and (words[0] in METRICS or line.strip().startswith(("Achieved Occupancy", "Duration")))):
-            print("  " + " ".join(words))
+    lines = [line.split() for line in pathlib.Path(report).read_text().splitlines()]
+    # A failed run: the report's tail says why. Otherwise the metrics asked for and the sections' headline rows.
+    shown = lines[-8:] if rc else [w for w in lines if w and (w[0] in METRICS or w[0] == "Duration"
+                                                               or w[:2] == ["Achieved", "Occupancy"])]
+    for words in shown:
+        print("  " + " ".join(words))
 
 
 def main(argv=None) -> None:

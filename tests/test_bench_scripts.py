@@ -160,6 +160,7 @@ def test_profile_row_decode_asks_ncu_for_its_shape_and_prints_its_metrics(profil
                     "echo '==PROF== Connected to process'\n"
                     f"echo '    {metric}    %    71.25'\n"
                     "echo '    not_a_metric    %    1'\n"
+                    "echo '    Duration    usecond    36.80'\n"
                     "echo '    Achieved Occupancy    %    6.25'\n"
                     f"exit {exit_code}\n")
     fake.chmod(0o755)
@@ -172,7 +173,7 @@ def test_profile_row_decode_asks_ncu_for_its_shape_and_prints_its_metrics(profil
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == f"== ids, 2 splits of 64-key chunks x 3 stages: ncu exit {exit_code}"
     if exit_code == 0:
-        assert printed[1:] == [f"  {metric} % 71.25", "  Achieved Occupancy % 6.25"]
+        assert printed[1:] == [f"  {metric} % 71.25", "  Duration usecond 36.80", "  Achieved Occupancy % 6.25"]
     else:
         assert "  not_a_metric % 1" in printed and "  ==PROF== Connected to process" in printed
     assert (tmp_path / "out" / "ncu-ids-2-64-3.txt").exists()
