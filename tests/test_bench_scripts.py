@@ -150,8 +150,8 @@ def profile_row_decode(monkeypatch):
 def test_profile_row_decode_asks_ncu_for_its_shape_and_prints_its_metrics(profile_row_decode, tmp_path, monkeypatch,
                                                                           capsys, exit_code):
     """A stand-in ncu records its arguments and prints a report: the script must ask for the one launch of the
-    shape it was given (splits, chunk, stages, ids forwarded to its own --launch), print every requested metric's
-    line and no other line, and on a failed ncu print the report's tail instead."""
+    shape and case it was given (splits, chunk, stages, ids and case forwarded to its own --launch), print every
+    requested metric's line and no other line, and on a failed ncu print the report's tail instead."""
     metric = profile_row_decode.METRICS[5]
     fake = tmp_path / "bin" / "ncu"
     fake.parent.mkdir()
@@ -165,15 +165,16 @@ def test_profile_row_decode_asks_ncu_for_its_shape_and_prints_its_metrics(profil
                     f"exit {exit_code}\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
-    profile_row_decode.main(["--shapes", "2:64:3", "--ids", "ids", "--out", str(tmp_path / "out")])
+    profile_row_decode.main(["--shapes", "2:64:3", "--ids", "ids", "--case", "8:32768:1",
+                             "--out", str(tmp_path / "out")])
     args = (tmp_path / "args").read_text().split()
     assert args[args.index("--launch-count") + 1] == "1"
-    assert args[-5:] == ["--launch", "2", "64", "3", "ids"]
+    assert args[-6:] == ["--launch", "2", "64", "3", "ids", "8:32768:1"]
     assert set(args[args.index("--metrics") + 1].split(",")) == set(profile_row_decode.METRICS)
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0] == f"== ids, 2 splits of 64-key chunks x 3 stages: ncu exit {exit_code}"
+    assert printed[0] == f"== 8:32768:1 ids, 2 splits of 64-key chunks x 3 stages: ncu exit {exit_code}"
     if exit_code == 0:
         assert printed[1:] == [f"  {metric} % 71.25", "  Duration usecond 36.80", "  Achieved Occupancy % 6.25"]
     else:
         assert "  not_a_metric % 1" in printed and "  ==PROF== Connected to process" in printed
-    assert (tmp_path / "out" / "ncu-ids-2-64-3.txt").exists()
+    assert (tmp_path / "out" / "ncu-8x32768x1-ids-2-64-3.txt").exists()
