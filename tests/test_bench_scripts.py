@@ -1,7 +1,7 @@
 """The benchmark scripts measure what they claim to: the decode floor scripts' kernels under the interpreter (their
 timings need a GPU; there each run checks its results the same way), the tile kernel script's inputs and fit, the
 power probe's reading of nvidia-smi's samples, the union counts of the tile union script, the decode profile's
-ncu command and report filter."""
+ncu command and report filter, the hoisted-offsets A/B's forms."""
 from __future__ import annotations
 
 import importlib
@@ -178,3 +178,30 @@ def test_profile_row_decode_asks_ncu_for_its_shape_and_prints_its_metrics(profil
     else:
         assert "  not_a_metric % 1" in printed and "  ==PROF== Connected to process" in printed
     assert (tmp_path / "out" / "ncu-8x32768x1-ids-2-64-3.txt").exists()
+
+
+def test_row_offsets_ab_runs_each_form_with_its_switches_and_restores_them(monkeypatch):
+    """Each form of the A/B reaches ``sparse_attn_decode`` with its splits, its pipeline and its hoisted-offsets
+    flag set, and the module's rule, flag and op are back as they were after each call and after the run."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    ab = importlib.import_module("row_offsets_ab")
+    import m3sparse.kernels.sparse_attn as SA
+    rule, flag, op = SA._row_pipeline, SA.ROW_HOISTED_OFFSETS, SA.sparse_attn_decode
+    seen = {}
+
+    def decode(*args, **kwargs):  # stands in for the op: what the form set while it runs
+        seen[kwargs.get("splits")] = (SA.ROW_HOISTED_OFFSETS, SA._row_pipeline(True, 1, False, 16, 128, 128, 16),
+                                      kwargs["rows_together"])
+
+    def forms_main(argv):
+        assert argv[-2:] == ["--forms", ",".join(ab.FORMS)] and argv[:2] == ["--cases", "8:32k:4"]
+        for name, switches in ab.spec_decode_forms.FORMS.items():
+            SA.sparse_attn_decode(*range(10), **switches)
+            assert (SA._row_pipeline, SA.ROW_HOISTED_OFFSETS) == (rule, flag), name
+            splits, pipe, hoisted = ab.FORMS[name]
+            assert seen.pop(splits) == (hoisted, pipe or rule(True, 1, False, 16, 128, 128, 16), False), name
+
+    monkeypatch.setattr(ab, "DECODE", decode)
+    monkeypatch.setattr(ab.spec_decode_forms, "main", forms_main)
+    ab.main(["--cases", "8:32k:4"])
+    assert SA.sparse_attn_decode is op

@@ -39,7 +39,8 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
                         IS_DECODE: tl.constexpr, SKIP_TILED: tl.constexpr, G: tl.constexpr,
                         BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
                         TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
-                        WRITE_OUT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr):
+                        WRITE_OUT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                        HOISTED_OFFSETS: tl.constexpr):
     wait_for_producer(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
@@ -86,18 +87,27 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
         # in front of each block's K / V copies (H200, 16-layer graphs, attend us: 32 x 128k x 4 rows sharing 12/16
         # 28.97 -> 26.19, 128 x 32k 36.45 -> 35.29, 32 x 32k 12.45 -> 12.10, 1 x 32k 5.33 -> 5.22).
         pages = tl.load(bt_ptr + b * bt_sb + ids, mask=valid, other=-1)
+        j = tl.arange(0, BLOCK_N)
+        offsets = j[:, None] * kv_ss + d[None, :]
         # No branch in the loop body: ignored ids become fully masked blocks (nothing is loaded for them), so the
         # compiler can keep the next block's loads in flight while this one is reduced.
         # Each block in SUB chunks of BLOCK_N keys: smaller pipeline stages let more programs share an SM.
         for chunk in range(lo, tl.minimum(TOPK * SUB, lo + per_split)):
             blk, page = slot_of(ids, pages, kk, chunk // SUB)
-            j = (chunk % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
+            first = (chunk % SUB) * BLOCK_N
             use = (page >= 0) & (page < num_pages)
             page = tl.where(use, page, 0).to(tl.int64)
             # (j < limit) rather than "& use": the interpreter rejects a scalar bool broadcast into a mask
-            seen = ((blk * BS + j) <= p) & (j < tl.where(use, BS, 0))
-            slot = page * BS + j
-            base = kv_ptr + page * kv_sp + g * kv_sh + j[:, None] * kv_ss + d[None, :]
+            if HOISTED_OFFSETS:
+                # The chunk's key offsets as one loop-invariant tensor and a scalar start: with half-block chunks,
+                # offsets from the chunk's own key index cost ~57 of 414 instructions a chunk (sm_90a SASS).
+                seen = (j <= p - blk * BS - first) & (j < tl.where(use, BS - first, 0))
+                base = kv_ptr + (page * kv_sp + g * kv_sh + first * kv_ss) + offsets
+            else:
+                keys = first + j
+                seen = ((blk * BS + keys) <= p) & (keys < tl.where(use, BS, 0))
+                base = kv_ptr + page * kv_sp + g * kv_sh + keys[:, None] * kv_ss + d[None, :]
+            slot = page * BS + first + j
             k = tl.load(base, mask=seen[:, None], other=0.0)
             v = tl.load(base + D, mask=seen[:, None], other=0.0)
             m_i, l_i, acc = attend_keys(q, k, v, seen[None, :], m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
@@ -158,6 +168,10 @@ HALF_BLOCK_SPLITS_BELOW = 8
 # One-split decode: the key chunk that fits more programs per SM than whole blocks, and the grid size up to which
 # its three-stage form wins (see _row_pipeline).
 ONE_SPLIT_CHUNK, SHORT_SECOND_WAVE = 64, 208
+# Per-row kernel: a chunk's K / V offsets as one loop-invariant tensor plus a scalar start (sm_90a SASS, instructions
+# a chunk: 414 -> 357 at 64 keys, 610 -> 587 at 128). Off until timed on a GPU (docs/perf-notes.md v70); the timing
+# is ``benchmarks/row_offsets_ab.py``.
+ROW_HOISTED_OFFSETS = False
 # Prefill batches of at most this many rows x KV heads leave the tiles' rows to the per-row kernel, not to the
 # KV-block launches: there the per-row kernel's GPU time is within ~10 us of theirs (at 1k rows on a 120k prefix,
 # random selections: 173 against 164 us; faster at short contexts), and one launch instead of four plus two torch
@@ -233,7 +247,8 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
         IS_DECODE=prefill is None, SKIP_TILED=tiled is not None, G=num_heads // kv_heads,
         BLOCK_H=block_h, BS=bs, D=dim, TOPK=topk, TOPK_PAD=ids_pad(topk),
         K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
-        WRITE_OUT=splits == 1, PDL=pdl, BLOCK_N=block_n, num_warps=4, num_stages=stages,
+        WRITE_OUT=splits == 1, PDL=pdl, BLOCK_N=block_n, HOISTED_OFFSETS=ROW_HOISTED_OFFSETS, num_warps=4,
+        num_stages=stages,
         launch_pdl=pdl > 0)
     _merge_split_partials(m, l, acc, out, splits, pdl)
     return out

@@ -1,0 +1,66 @@
+"""The per-row decode kernel with and without hoisted chunk offsets (``ROW_HOISTED_OFFSETS``), timed side by side on
+one GPU (issue 5; docs/perf-notes.md v70).
+
+    python benchmarks/row_offsets_ab.py [--cases 32:128k:4,32:32k:1,128:32k:1] [--heads 16/1] [--json PATH]
+
+(those cases by default)
+
+Forms: the launch rule's pipeline ("rule"), two splits of 64-key chunks in three stages ("x2 64k3", two programs
+per SM at criterion 4's case) and eight such splits ("x8 64k3"), each without and with hoisted offsets. Timing,
+rotation, rounds and the output check are ``spec_decode_forms``'s (the first form is the diffs' reference).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import m3sparse.kernels.sparse_attn as SA
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import spec_decode_forms  # noqa: E402
+
+# name: (splits or None for the rule's, (keys per chunk, stages) or None for the rule's, hoisted offsets)
+FORMS = {"rule": (None, None, False), "rule hoisted": (None, None, True),
+         "x2 64k3": (2, (64, 3), False), "x2 64k3 hoisted": (2, (64, 3), True),
+         "x8 64k3 hoisted": (8, (64, 3), True)}
+
+
+@contextlib.contextmanager
+def form(name: str):
+    """Inside: ``_row_pipeline`` and ``ROW_HOISTED_OFFSETS`` as the form sets them; restored after."""
+    _, pipe, hoisted = FORMS[name]
+    rule, flag = SA._row_pipeline, SA.ROW_HOISTED_OFFSETS
+    SA.ROW_HOISTED_OFFSETS = hoisted
+    if pipe is not None:
+        SA._row_pipeline = lambda *args, **kwargs: pipe
+    try:
+        yield
+    finally:
+        SA._row_pipeline, SA.ROW_HOISTED_OFFSETS = rule, flag
+
+
+DECODE = SA.sparse_attn_decode
+
+
+def decode_in_form(*args, _form: str, **kwargs):
+    with form(_form):
+        return DECODE(*args, **kwargs)
+
+
+def main(argv=None) -> None:
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if "--cases" not in argv:
+        argv = ["--cases", "32:128k:4,32:32k:1,128:32k:1"] + argv
+    spec_decode_forms.FORMS = {name: dict(rows_together=False, _form=name, **({"splits": splits} if splits else {}))
+                               for name, (splits, _, _) in FORMS.items()}
+    op = SA.sparse_attn_decode
+    SA.sparse_attn_decode = decode_in_form
+    try:
+        spec_decode_forms.main(argv + ["--forms", ",".join(FORMS)])
+    finally:
+        SA.sparse_attn_decode = op
+
+
+if __name__ == "__main__":
+    main()
