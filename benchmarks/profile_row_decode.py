@@ -6,10 +6,10 @@
 Each shape is splits:keys per chunk:stages, forced on ``_row_pipeline`` (by default the launch rule picks them).
 For each, ncu profiles one ``_sparse_attn_kernel`` launch of the case requests:context:rows (by default
 32 requests x 128k x 4 speculative rows, criterion 4's), 16/1 heads, whose rows share 12 of their 16 blocks with
-their request's first row ("shared") or not ("ids"), and prints the duration, the L1 / shared-memory pipe's and the L2's throughput, the shared-memory
-wavefronts and bank conflicts, issue activity, and the warp stalls per issued instruction. The whole ncu report
-of each shape goes to DIR. Why: v12, v35 and v68 found that a second program per SM leaves the shared case's time
-unchanged, and none measured which SM resource the two programs share (docs/perf-notes.md v69).
+their request's first row ("shared") or not ("ids"), and prints the duration, the L1 / shared-memory pipe's and
+the L2's throughput, the shared-memory wavefronts and bank conflicts, issue activity, and the warp stalls per
+issued instruction. The whole ncu report of each shape goes to DIR. Why: v12, v35 and v68 found that a second
+program per SM leaves the shared case's time unchanged, and none measured why (answered in docs/perf-notes.md v70).
 
 ``--launch SPLITS CHUNK STAGES IDS CASE`` runs the launches ncu profiles (three layers; ncu takes the third).
 """
