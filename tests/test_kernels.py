@@ -1296,6 +1296,22 @@ def test_decode_attention_splits_leave_no_program_without_a_block(target, splits
         assert 1 < grid_splits <= splits and (grid_splits - 1) * -(-chunks // grid_splits) < chunks
 
 
+def walk_half_blocks(target, hoisted: bool, monkeypatch) -> int:
+    """Per-row launches walk each block in two chunks of keys, at the stages the rule gives, with hoisted chunk
+    offsets or not (``ROW_HOISTED_OFFSETS``); returns the smallest chunk, which a GPU dot bounds at 16 keys."""
+    import m3sparse.kernels.sparse_attn as SA
+    chunk_floor = 16 if target == "cuda" else 1
+    rule = SA._row_pipeline
+
+    def half_blocks(decode, splits, dot_f32, block_h, bs, programs, topk):
+        _, stages = rule(decode, splits, dot_f32, block_h, bs, programs, topk)
+        return max(bs // 2, chunk_floor), stages
+
+    monkeypatch.setattr(SA, "_row_pipeline", half_blocks)
+    monkeypatch.setattr(SA, "ROW_HOISTED_OFFSETS", hoisted)
+    return chunk_floor
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("hoisted", [False, True])
@@ -1304,21 +1320,15 @@ def test_decode_attention_in_key_chunks(target, splits, kv_dtype, hoisted, monke
     fill an even number of whole-block waves, ``_row_pipeline``), one and three splits per row, its chunk offsets
     computed per chunk or hoisted (``ROW_HOISTED_OFFSETS``), against the reference; padding rows 0."""
     import m3sparse.kernels.sparse_attn as SA
-    chunk_floor = 16 if target == "cuda" else 1  # the smallest key chunk a GPU dot takes
+    chunk_floor = walk_half_blocks(target, hoisted, monkeypatch)
     launches = []
-    rule, real = SA._row_pipeline, SA.launch
-
-    def half_blocks(decode, splits, dot_f32, block_h, bs, programs, topk):
-        _, stages = rule(decode, splits, dot_f32, block_h, bs, programs, topk)
-        return max(bs // 2, chunk_floor), stages
+    real = SA.launch
 
     def spy(kernel, grid, *args, **meta):
         if kernel is SA._sparse_attn_kernel:
             launches.append((meta["BS"], meta["BLOCK_N"], meta["HOISTED_OFFSETS"]))
         return real(kernel, grid, *args, **meta)
 
-    monkeypatch.setattr(SA, "_row_pipeline", half_blocks)
-    monkeypatch.setattr(SA, "ROW_HOISTED_OFFSETS", hoisted)
     monkeypatch.setattr(SA, "launch", spy)
     assert_decode_attention_matches_reference(target, kv_dtype, 7 + splits, splits=splits, rows_together=False)
     assert launches, "no per-row launch"
@@ -1351,16 +1361,9 @@ def test_adversarial_ids_in_speculative_decode(target, rows_together, hoisted, m
     drop them as the per-row kernel does), rows sharing most blocks, a request whose first rows sit at negative
     positions, and a padding request. With ``hoisted``, the per-row kernel walks half blocks (where a dot takes
     them: not 16-key blocks on a GPU) with its chunk offsets hoisted (``ROW_HOISTED_OFFSETS``)."""
-    import m3sparse.kernels.sparse_attn as SA
     from m3sparse.kernels.sparse_attn import sparse_attn_decode
     if hoisted:
-        rule = SA._row_pipeline
-        chunk_floor = 16 if target == "cuda" else 1
-
-        def half_blocks(decode, splits, dot_f32, block_h, bs, programs, topk):
-            return max(bs // 2, chunk_floor), rule(decode, splits, dot_f32, block_h, bs, programs, topk)[1]
-        monkeypatch.setattr(SA, "_row_pipeline", half_blocks)
-        monkeypatch.setattr(SA, "ROW_HOISTED_OFFSETS", True)
+        walk_half_blocks(target, True, monkeypatch)
     dev = device_of(target)
     batch = make_batch([(16 * 9 + 1, 3), (20, 3), (-1, 3), (-3, 3)], heads=4, kv_heads=2, block_size=16,
                        q_dtype=act_dtype(target), decode_query_len=3, seed=11, device=dev)
