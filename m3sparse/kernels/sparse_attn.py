@@ -97,7 +97,7 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
             first = (chunk % SUB) * BLOCK_N
             use = (page >= 0) & (page < num_pages)
             page = tl.where(use, page, 0).to(tl.int64)
-            # (j < limit) rather than "& use": the interpreter rejects a scalar bool broadcast into a mask
+            # (key index < limit) rather than "& use": the interpreter rejects a scalar bool broadcast into a mask
             if HOISTED_OFFSETS:
                 # The chunk's key offsets as one loop-invariant tensor and a scalar start: with half-block chunks,
                 # offsets from the chunk's own key index cost ~57 of 414 instructions a chunk (sm_90a SASS).
