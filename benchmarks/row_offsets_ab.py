@@ -3,8 +3,6 @@ one GPU (issue 5; docs/perf-notes.md v70).
 
     python benchmarks/row_offsets_ab.py [--cases 32:128k:4,32:32k:1,128:32k:1] [--heads 16/1] [--json PATH]
 
-(those cases by default)
-
 Forms: the launch rule's pipeline ("rule"), two splits of 64-key chunks in three stages ("x2 64k3", two programs
 per SM at criterion 4's case) and eight such splits ("x8 64k3"), each without and with hoisted offsets. Timing,
 rotation, rounds and the output check are ``spec_decode_forms``'s (the first form is the diffs' reference).
@@ -20,6 +18,7 @@ import m3sparse.kernels.sparse_attn as SA
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spec_decode_forms  # noqa: E402
 
+DEFAULT_CASES = "32:128k:4,32:32k:1,128:32k:1"  # criterion 4's, criterion 5's, one wave of one split per row
 # name: (splits or None for the rule's, (keys per chunk, stages) or None for the rule's, hoisted offsets)
 FORMS = {"rule": (None, None, False), "rule hoisted": (None, None, True),
          "x2 64k3": (2, (64, 3), False), "x2 64k3 hoisted": (2, (64, 3), True),
@@ -51,7 +50,7 @@ def decode_in_form(*args, _form: str, **kwargs):
 def main(argv=None) -> None:
     argv = list(argv if argv is not None else sys.argv[1:])
     if "--cases" not in argv:
-        argv = ["--cases", "32:128k:4,32:32k:1,128:32k:1"] + argv
+        argv = ["--cases", DEFAULT_CASES] + argv
     spec_decode_forms.FORMS = {name: dict(rows_together=False, _form=name, **({"splits": splits} if splits else {}))
                                for name, (splits, _, _) in FORMS.items()}
     op = SA.sparse_attn_decode

@@ -247,9 +247,8 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
         IS_DECODE=prefill is None, SKIP_TILED=tiled is not None, G=num_heads // kv_heads,
         BLOCK_H=block_h, BS=bs, D=dim, TOPK=topk, TOPK_PAD=ids_pad(topk),
         K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
-        WRITE_OUT=splits == 1, PDL=pdl, BLOCK_N=block_n, HOISTED_OFFSETS=ROW_HOISTED_OFFSETS, num_warps=4,
-        num_stages=stages,
-        launch_pdl=pdl > 0)
+        WRITE_OUT=splits == 1, PDL=pdl, BLOCK_N=block_n, HOISTED_OFFSETS=ROW_HOISTED_OFFSETS,
+        num_warps=4, num_stages=stages, launch_pdl=pdl > 0)
     _merge_split_partials(m, l, acc, out, splits, pdl)
     return out
 
