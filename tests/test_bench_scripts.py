@@ -180,28 +180,38 @@ def test_profile_row_decode_asks_ncu_for_its_shape_and_prints_its_metrics(profil
     assert (tmp_path / "out" / "ncu-8x32768x1-ids-2-64-3.txt").exists()
 
 
-def test_row_offsets_ab_runs_each_form_with_its_switches_and_restores_them(monkeypatch):
-    """Each form of the A/B reaches ``sparse_attn_decode`` with its splits, its pipeline and its hoisted-offsets
-    flag set, and the module's rule, flag and op are back as they were after each call and after the run."""
+def test_row_loop_ab_runs_each_form_with_its_switches_and_restores_them(monkeypatch):
+    """Each form of the A/B reaches ``sparse_attn_decode`` with its splits, its pipeline and its loop switches set,
+    and the module's rule, switches and op are back as they were after each call and after the run."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    ab = importlib.import_module("row_offsets_ab")
+    ab = importlib.import_module("row_loop_ab")
     import m3sparse.kernels.sparse_attn as SA
-    rule, flag, op = SA._row_pipeline, SA.ROW_HOISTED_OFFSETS, SA.sparse_attn_decode
-    seen = {}
+
+    def switches():
+        return tuple(getattr(SA, name) for name in ab.SWITCHES)
+
+    shipped, op = switches(), SA.sparse_attn_decode
+    rule = shipped[0]
+    seen = []
 
     def decode(*args, **kwargs):  # stands in for the op: what the form set while it runs
-        seen[kwargs.get("splits")] = (SA.ROW_HOISTED_OFFSETS, SA._row_pipeline(True, 1, False, 16, 128, 128, 16),
-                                      kwargs["rows_together"])
+        seen.append((kwargs.get("splits"), SA._row_pipeline(True, 1, False, 16, 128, 128, 16), *switches()[1:],
+                     kwargs["rows_together"]))
 
     def forms_main(argv):
         assert argv[-2:] == ["--forms", ",".join(ab.FORMS)] and argv[:2] == ["--cases", "8:32k:4"]
-        for name, switches in ab.spec_decode_forms.FORMS.items():
-            SA.sparse_attn_decode(*range(10), **switches)
-            assert (SA._row_pipeline, SA.ROW_HOISTED_OFFSETS) == (rule, flag), name
-            splits, pipe, hoisted = ab.FORMS[name]
-            assert seen.pop(splits) == (hoisted, pipe or rule(True, 1, False, 16, 128, 128, 16), False), name
+        for name, form_switches in ab.spec_decode_forms.FORMS.items():
+            SA.sparse_attn_decode(*range(10), **form_switches)
+            assert switches() == shipped, name
+            splits, pipe, *flags = ab.FORMS[name]
+            assert seen.pop() == (splits, pipe or rule(True, 1, False, 16, 128, 128, 16), *flags, False), name
 
     monkeypatch.setattr(ab, "DECODE", decode)
     monkeypatch.setattr(ab.spec_decode_forms, "main", forms_main)
     ab.main(["--cases", "8:32k:4"])
     assert SA.sparse_attn_decode is op
+    assert ab.SWITCHES[1:] == ("ROW_HOISTED_OFFSETS", "ROW_EXP2", "ROW_LATE_SUM")
+    # both values of each switch are timed, and the first form (the diffs' reference) is the shipped kernel
+    for i in (2, 3, 4):
+        assert {form[i] for form in ab.FORMS.values()} == {False, True}
+    assert ab.FORMS[next(iter(ab.FORMS))][2:] == shipped[1:]

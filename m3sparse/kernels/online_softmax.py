@@ -7,12 +7,15 @@ import triton.language as tl
 
 @triton.jit
 def attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptrs, vs_ptrs, slot_mask, K_SCALE: tl.constexpr,
-                V_SCALE: tl.constexpr, DOT_F32: tl.constexpr, EXP2: tl.constexpr, MASKED: tl.constexpr = True):
+                V_SCALE: tl.constexpr, DOT_F32: tl.constexpr, EXP2: tl.constexpr, MASKED: tl.constexpr = True,
+                LATE_ROW_SUM: tl.constexpr = False):
     """Fold keys k / values v [N, D] into the running (max m_i [M], sum l_i [M], accumulator acc [M, D]).
 
     seen: which (row, key) pairs count, broadcastable to [M, N]; ks_ptrs / vs_ptrs: per-slot fp8 scales of the
     N keys (read when K_SCALE / V_SCALE == 2, under slot_mask). With EXP2 the scores (and m_i) are in log2
-    units (k_mult carries the log2(e) factor). Returns the new (m_i, l_i, acc).
+    units (k_mult carries the log2(e) factor). With LATE_ROW_SUM, l_i is [M, N]: each (row, key column)'s own
+    running sum, which the caller sums over its columns after the last step (where the warps split the keys, a
+    reduction across warps per step less). Returns the new (m_i, l_i, acc).
     """
     if DOT_F32:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -37,7 +40,10 @@ def attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptrs, vs_ptrs, slot_mas
     else:
         alpha = tl.exp(m_i - m_ref)
         w = tl.exp(s * mult - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(w, axis=1)
+    if LATE_ROW_SUM:
+        l_i = l_i * alpha[:, None] + w
+    else:
+        l_i = l_i * alpha + tl.sum(w, axis=1)
     if V_SCALE == 2:
         w = w * tl.load(vs_ptrs, mask=slot_mask, other=0.0)[None, :]
     if DOT_F32:
