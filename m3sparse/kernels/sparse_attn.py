@@ -77,15 +77,9 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
         else:
             l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D], tl.float32)
-        if EXP2:
-            k_mult, v_mult = softmax_multipliers(scale, v_factor, ks_ptr, vs_ptr, K_SCALE, V_SCALE)
-        else:
-            k_mult = scale
-            v_mult = v_factor
-            if K_SCALE == 1:
-                k_mult = k_mult * tl.load(ks_ptr)
-            if V_SCALE == 1:
-                v_mult = v_mult * tl.load(vs_ptr)
+        k_mult, v_mult = softmax_multipliers(scale, v_factor, ks_ptr, vs_ptr, K_SCALE, V_SCALE)
+        if not EXP2:
+            k_mult = k_mult * 0.6931471805599453  # natural-log units for tl.exp
         # Splits share out the row's TOPK x SUB chunks (of BLOCK_N keys): more splits than blocks halve a block.
         per_split = tl.cdiv(TOPK * SUB, SPLITS)
         lo = split * per_split
