@@ -215,3 +215,31 @@ def test_row_loop_ab_runs_each_form_with_its_switches_and_restores_them(monkeypa
     for i in (2, 3, 4):
         assert {form[i] for form in ab.FORMS.values()} == {False, True}
     assert ab.FORMS[next(iter(ab.FORMS))][2:] == shipped[1:]
+
+
+def test_row_loop_sass_shows_what_the_loop_switches_take_out(tmp_path, monkeypatch):
+    """The sm_90a build of the per-row loop (64-key steps, the quicker build) on the shipped switches against v70's
+    loop (tl.exp, a row sum per chunk): the same dots and exponentials, none of tl.exp's range checks (a compare
+    against -126 before each MUFU.EX2), a shorter step, no local memory. Each build runs the script in a process of
+    its own, as a user would. Skips where Triton bundles no ptxas."""
+    import json
+    import subprocess
+    import sys
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    if not importlib.import_module("row_loop_sass").available():
+        pytest.skip("this Triton install bundles no ptxas / cuobjdump")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(BENCHMARKS.parent)
+    builds = {}
+    for name, flags in (("shipped", []), ("v70", ["--tl-exp", "--sum-per-chunk"])):
+        out = tmp_path / f"{name}.json"
+        subprocess.run([sys.executable, str(BENCHMARKS / "row_loop_sass.py"), "--keys", "64", "--json", str(out),
+                        *flags], env=env, check=True, capture_output=True)
+        builds[name] = json.loads(out.read_text())
+    shipped, v70 = builds["shipped"], builds["v70"]
+    for op in ("HMMA.16816.F32.BF16", "MUFU.EX2", "LDGSTS.E.BYPASS.128"):
+        assert shipped["ops"][op] == v70["ops"][op] > 0, op
+    range_checks = [sum("-126" in t for t in b["loop"]) for b in (shipped, v70)]
+    assert range_checks[0] == 0 < range_checks[1]
+    assert len(shipped["loop"]) < len(v70["loop"])
+    assert shipped["spills"] == v70["spills"] == 0
