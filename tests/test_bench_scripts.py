@@ -1,13 +1,16 @@
 """The benchmark scripts measure what they claim to: the decode floor scripts' kernels under the interpreter (their
 timings need a GPU; there each run checks its results the same way), the tile kernel script's inputs and fit, the
 power probe's reading of nvidia-smi's samples, the union counts of the tile union script, the decode profile's
-ncu command and report filter, the hoisted-offsets A/B's forms."""
+ncu command and report filter, the per-row loop A/B's forms, the per-row loop's sm_90a build."""
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import pathlib
 import statistics
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -222,9 +225,6 @@ def test_row_loop_sass_shows_what_the_loop_switches_take_out(tmp_path, monkeypat
     loop (tl.exp, a row sum per chunk): the same dots and exponentials, none of tl.exp's range checks (a compare
     against -126 before each MUFU.EX2), a shorter step, no local memory. Each build runs the script in a process of
     its own, as a user would. Skips where Triton bundles no ptxas."""
-    import json
-    import subprocess
-    import sys
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     if not importlib.import_module("row_loop_sass").available():
         pytest.skip("this Triton install bundles no ptxas / cuobjdump")
