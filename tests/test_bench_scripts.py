@@ -183,63 +183,54 @@ def test_profile_row_decode_asks_ncu_for_its_shape_and_prints_its_metrics(profil
     assert (tmp_path / "out" / "ncu-8x32768x1-ids-2-64-3.txt").exists()
 
 
-def test_row_loop_ab_runs_each_form_with_its_switches_and_restores_them(monkeypatch):
-    """Each form of the A/B reaches ``sparse_attn_decode`` with its splits, its pipeline and its loop switches set,
-    and the module's rule, switches and op are back as they were after each call and after the run."""
+def test_row_loop_ab_runs_each_form_with_its_switch_and_restores_it(monkeypatch):
+    """Each form of the A/B reaches ``sparse_attn_decode`` with its hoisted-offsets switch set, the shipped value
+    first (the diffs' reference) and both values timed, and the module's switch and op are back as they were after
+    each call and after the run."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     ab = importlib.import_module("row_loop_ab")
     import m3sparse.kernels.sparse_attn as SA
 
-    def switches():
-        return tuple(getattr(SA, name) for name in ab.SWITCHES)
-
-    shipped, op = switches(), SA.sparse_attn_decode
-    rule = shipped[0]
+    shipped, op = SA.ROW_HOISTED_OFFSETS, SA.sparse_attn_decode
     seen = []
 
     def decode(*args, **kwargs):  # stands in for the op: what the form set while it runs
-        seen.append((kwargs.get("splits"), SA._row_pipeline(True, 1, False, 16, 128, 128, 16), *switches()[1:],
-                     kwargs["rows_together"]))
+        seen.append((SA.ROW_HOISTED_OFFSETS, kwargs["rows_together"]))
 
     def forms_main(argv):
         assert argv[-2:] == ["--forms", ",".join(ab.FORMS)] and argv[:2] == ["--cases", "8:32k:4"]
-        for name, form_switches in ab.spec_decode_forms.FORMS.items():
-            SA.sparse_attn_decode(*range(10), **form_switches)
-            assert switches() == shipped, name
-            splits, pipe, *flags = ab.FORMS[name]
-            assert seen.pop() == (splits, pipe or rule(True, 1, False, 16, 128, 128, 16), *flags, False), name
+        for name, form_kwargs in ab.spec_decode_forms.FORMS.items():
+            SA.sparse_attn_decode(*range(10), **form_kwargs)
+            assert SA.ROW_HOISTED_OFFSETS == shipped, name
+            assert seen.pop() == (ab.FORMS[name], False), name
 
     monkeypatch.setattr(ab, "DECODE", decode)
     monkeypatch.setattr(ab.spec_decode_forms, "main", forms_main)
     ab.main(["--cases", "8:32k:4"])
-    assert SA.sparse_attn_decode is op
-    assert ab.SWITCHES[1:] == ("ROW_HOISTED_OFFSETS", "ROW_EXP2", "ROW_LATE_SUM")
-    # both values of each switch are timed, and the first form (the diffs' reference) is the shipped kernel
-    for i in (2, 3, 4):
-        assert {form[i] for form in ab.FORMS.values()} == {False, True}
-    assert ab.FORMS[next(iter(ab.FORMS))][2:] == shipped[1:]
+    assert SA.sparse_attn_decode is op and SA.ROW_HOISTED_OFFSETS == shipped
+    assert set(ab.FORMS.values()) == {False, True}
+    assert ab.FORMS[next(iter(ab.FORMS))] == shipped
 
 
-def test_row_loop_sass_shows_what_the_loop_switches_take_out(tmp_path, monkeypatch):
-    """The sm_90a build of the per-row loop (64-key steps, the quicker build) on the shipped switches against v70's
-    loop (tl.exp, a row sum per chunk): the same dots and exponentials, none of tl.exp's range checks (a compare
-    against -126 before each MUFU.EX2), a shorter step, no local memory. Each build runs the script in a process of
-    its own, as a user would. Skips where Triton bundles no ptxas."""
+def test_row_loop_sass_shows_the_exp2_softmax_and_what_hoisting_takes_out(tmp_path, monkeypatch):
+    """The sm_90a build of the per-row loop (64-key steps, the quicker build): the softmax's exponentials are bare
+    MUFU.EX2 (none of tl.exp's range checks, a compare against -126 before each), and hoisted chunk offsets give
+    a shorter step with the same dots, exponentials and copies; no local memory in either. Each build runs the
+    script in a process of its own, as a user would. Skips where Triton bundles no ptxas."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     if not importlib.import_module("row_loop_sass").available():
         pytest.skip("this Triton install bundles no ptxas / cuobjdump")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(BENCHMARKS.parent)
     builds = {}
-    for name, flags in (("shipped", []), ("v70", ["--tl-exp", "--sum-per-chunk"])):
+    for name, flags in (("shipped", []), ("hoisted", ["--hoisted"])):
         out = tmp_path / f"{name}.json"
         subprocess.run([sys.executable, str(BENCHMARKS / "row_loop_sass.py"), "--keys", "64", "--json", str(out),
                         *flags], env=env, check=True, capture_output=True)
         builds[name] = json.loads(out.read_text())
-    shipped, v70 = builds["shipped"], builds["v70"]
+    shipped, hoisted = builds["shipped"], builds["hoisted"]
     for op in ("HMMA.16816.F32.BF16", "MUFU.EX2", "LDGSTS.E.BYPASS.128"):
-        assert shipped["ops"][op] == v70["ops"][op] > 0, op
-    range_checks = [sum("-126" in t for t in b["loop"]) for b in (shipped, v70)]
-    assert range_checks[0] == 0 < range_checks[1]
-    assert len(shipped["loop"]) < len(v70["loop"])
-    assert shipped["spills"] == v70["spills"] == 0
+        assert shipped["ops"][op] == hoisted["ops"][op] > 0, op
+    assert not any("-126" in t for b in (shipped, hoisted) for t in b["loop"])
+    assert len(hoisted["loop"]) < len(shipped["loop"])
+    assert shipped["spills"] == hoisted["spills"] == 0

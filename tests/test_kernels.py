@@ -1296,10 +1296,9 @@ def test_decode_attention_splits_leave_no_program_without_a_block(target, splits
         assert 1 < grid_splits <= splits and (grid_splits - 1) * -(-chunks // grid_splits) < chunks
 
 
-def walk_half_blocks(target, hoisted: bool, monkeypatch, exp2: bool = True, late_sum: bool = True) -> int:
+def walk_half_blocks(target, hoisted: bool, monkeypatch) -> int:
     """Per-row launches walk each block in two chunks of keys, at the stages the rule gives, with hoisted chunk
-    offsets or not (``ROW_HOISTED_OFFSETS``), the softmax on exp2 or on exp (``ROW_EXP2``) and the row sums after the
-    loop or per chunk (``ROW_LATE_SUM``); returns the smallest chunk, which a GPU dot bounds at 16 keys."""
+    offsets or not (``ROW_HOISTED_OFFSETS``); returns the smallest chunk, which a GPU dot bounds at 16 keys."""
     import m3sparse.kernels.sparse_attn as SA
     chunk_floor = 16 if target == "cuda" else 1
     rule = SA._row_pipeline
@@ -1310,39 +1309,32 @@ def walk_half_blocks(target, hoisted: bool, monkeypatch, exp2: bool = True, late
 
     monkeypatch.setattr(SA, "_row_pipeline", half_blocks)
     monkeypatch.setattr(SA, "ROW_HOISTED_OFFSETS", hoisted)
-    monkeypatch.setattr(SA, "ROW_EXP2", exp2)
-    monkeypatch.setattr(SA, "ROW_LATE_SUM", late_sum)
     return chunk_floor
-
-
-# (hoisted offsets, exp2 softmax, row sums after the loop): the shipped loop, with hoisted offsets, and v70's loop
-LOOP_SWITCHES = [(False, True, True), (True, True, True), (False, False, False)]
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("hoisted, exp2, late_sum", LOOP_SWITCHES)
-def test_decode_attention_in_key_chunks(target, splits, kv_dtype, hoisted, exp2, late_sum, monkeypatch):
+@pytest.mark.parametrize("hoisted", [False, True])
+def test_decode_attention_in_key_chunks(target, splits, kv_dtype, hoisted, monkeypatch):
     """The per-row kernel walking each block in two chunks of keys (the one-split decode launch of grids that
     fill an even number of whole-block waves, ``_row_pipeline``), one and three splits per row, its chunk offsets
-    computed per chunk or hoisted (``ROW_HOISTED_OFFSETS``), its softmax on exp2 or exp (``ROW_EXP2``: the split
-    partials keep natural-log maxima either way), its row sums after the loop or per chunk (``ROW_LATE_SUM``),
-    against the reference; padding rows 0."""
+    computed per chunk or hoisted (``ROW_HOISTED_OFFSETS``), with its row sums kept per key column through the loop
+    (``LATE_ROW_SUM``, at 16 heads a program) and its split partials' maxima back in natural-log units, against the
+    reference; padding rows 0."""
     import m3sparse.kernels.sparse_attn as SA
-    chunk_floor = walk_half_blocks(target, hoisted, monkeypatch, exp2, late_sum)
+    chunk_floor = walk_half_blocks(target, hoisted, monkeypatch)
     launches = []
     real = SA.launch
 
     def spy(kernel, grid, *args, **meta):
         if kernel is SA._sparse_attn_kernel:
-            launches.append((meta["BS"], meta["BLOCK_N"], meta["HOISTED_OFFSETS"], meta["EXP2"],
-                             meta["LATE_ROW_SUM"]))
+            launches.append((meta["BS"], meta["BLOCK_N"], meta["HOISTED_OFFSETS"], meta["LATE_ROW_SUM"]))
         return real(kernel, grid, *args, **meta)
 
     monkeypatch.setattr(SA, "launch", spy)
     assert_decode_attention_matches_reference(target, kv_dtype, 7 + splits, splits=splits, rows_together=False)
     assert launches, "no per-row launch"
-    assert all(block_n == max(bs // 2, chunk_floor) < bs and tuple(switches) == (hoisted, exp2, late_sum)
+    assert all(block_n == max(bs // 2, chunk_floor) < bs and tuple(switches) == (hoisted, True)
                for bs, block_n, *switches in launches)
 
 

@@ -7,13 +7,14 @@ import triton.language as tl
 
 @triton.jit
 def attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptrs, vs_ptrs, slot_mask, K_SCALE: tl.constexpr,
-                V_SCALE: tl.constexpr, DOT_F32: tl.constexpr, EXP2: tl.constexpr, MASKED: tl.constexpr = True,
+                V_SCALE: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr = True,
                 LATE_ROW_SUM: tl.constexpr = False):
     """Fold keys k / values v [N, D] into the running (max m_i [M], sum l_i [M], accumulator acc [M, D]).
 
     seen: which (row, key) pairs count, broadcastable to [M, N]; ks_ptrs / vs_ptrs: per-slot fp8 scales of the
-    N keys (read when K_SCALE / V_SCALE == 2, under slot_mask). With EXP2 the scores (and m_i) are in log2
-    units (k_mult carries the log2(e) factor). With LATE_ROW_SUM, l_i is [M, N]: each (row, key column)'s own
+    N keys (read when K_SCALE / V_SCALE == 2, under slot_mask). The scores and m_i are in log2 units (k_mult carries
+    the log2(e) factor): ``tl.exp2`` is one MUFU.EX2, where ``tl.exp`` adds a multiply and a denormal range check (a
+    compare and two predicated multiplies; sm_90a SASS). With LATE_ROW_SUM, l_i is [M, N]: each (row, key column)'s own
     running sum, which the caller sums over its columns after the last step (where the warps split the keys, a
     reduction across warps per step less). Returns the new (m_i, l_i, acc).
     """
@@ -34,12 +35,8 @@ def attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptrs, vs_ptrs, slot_mas
         s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * mult)
     m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # no key seen yet: keep exp() finite
-    if EXP2:
-        alpha = tl.exp2(m_i - m_ref)
-        w = tl.exp2(s * mult - m_ref[:, None])
-    else:
-        alpha = tl.exp(m_i - m_ref)
-        w = tl.exp(s * mult - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    w = tl.exp2(s * mult - m_ref[:, None])
     if LATE_ROW_SUM:
         l_i = l_i * alpha[:, None] + w
     else:

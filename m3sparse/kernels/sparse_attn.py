@@ -40,7 +40,7 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
                         BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
                         TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
                         WRITE_OUT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                        HOISTED_OFFSETS: tl.constexpr, EXP2: tl.constexpr, LATE_ROW_SUM: tl.constexpr):
+                        HOISTED_OFFSETS: tl.constexpr, LATE_ROW_SUM: tl.constexpr):
     wait_for_producer(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
@@ -78,8 +78,6 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
             l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D], tl.float32)
         k_mult, v_mult = softmax_multipliers(scale, v_factor, ks_ptr, vs_ptr, K_SCALE, V_SCALE)
-        if not EXP2:
-            k_mult = k_mult * 0.6931471805599453  # natural-log units for tl.exp
         # Splits share out the row's TOPK x SUB chunks (of BLOCK_N keys): more splits than blocks halve a block.
         per_split = tl.cdiv(TOPK * SUB, SPLITS)
         lo = split * per_split
@@ -111,12 +109,10 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
             k = tl.load(base, mask=seen[:, None], other=0.0)
             v = tl.load(base + D, mask=seen[:, None], other=0.0)
             m_i, l_i, acc = attend_keys(q, k, v, seen[None, :], m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
-                                        vs_ptr + g * vs_sh + slot, seen, K_SCALE, V_SCALE, DOT_F32, EXP2, True,
-                                        LATE_ROW_SUM)
+                                        vs_ptr + g * vs_sh + slot, seen, K_SCALE, V_SCALE, DOT_F32, True, LATE_ROW_SUM)
         if LATE_ROW_SUM:
             l_i = tl.sum(l_i, axis=1)
-        if EXP2:
-            m_i = m_i * 0.6931471805599453  # log2 units here, natural-log units in the partials
+        m_i = m_i * 0.6931471805599453  # log2 units here, natural-log units in the partials
         store_rows(acc * v_mult, m_i, l_i, t, g * G + h, h < G, o_ptr, o_st, o_sh, m_ptr, l_ptr, acc_ptr, split,
                    SPLITS, G * tl.num_programs(1), D, WRITE_OUT)
     release_consumer(PDL)
@@ -174,23 +170,9 @@ HALF_BLOCK_SPLITS_BELOW = 8
 # its three-stage form wins (see _row_pipeline).
 ONE_SPLIT_CHUNK, SHORT_SECOND_WAVE = 64, 208
 # Per-row kernel: a chunk's K / V offsets as one loop-invariant tensor plus a scalar start (sm_90a SASS with Triton
-# 3.6, loop instructions a chunk, tl.exp softmax: 418 -> 372 at 64 keys, 587 -> 563 at 128). Off until timed on a
-# GPU (docs/perf-notes.md v70); the timing is ``benchmarks/row_loop_ab.py``.
+# 3.6, loop instructions a chunk: 349 -> 311 at 64 keys, 495 -> 505 at 128). H100, 128-key grids: -2 % at 32 x 128k
+# x 4, +0.4-0.7 % elsewhere (docs/perf-notes.md v72); off until 64-key grids are timed (``benchmarks/row_loop_ab.py``).
 ROW_HOISTED_OFFSETS = False
-# Per-row kernel: the softmax on exp2 with the scale folded into log2 units, as the tile and KV-block kernels run it.
-# ``tl.exp`` costs a multiply and a denormal range check (a compare and two predicated multiplies) around each
-# MUFU.EX2; ``tl.exp2`` is the MUFU alone (sm_90a SASS with Triton 3.6, loop instructions a chunk: 587 -> 515 at 128
-# keys, 418 -> 374 at 64). On by default; the tl.exp form stays until both are timed on a GPU (docs/perf-notes.md
-# v71, ``benchmarks/row_loop_ab.py``).
-ROW_EXP2 = True
-# Per-row kernel: each (head, key column)'s running sum of weights kept apart through the loop and summed once after
-# it. The 4 warps split each chunk's keys (M = 16 heads), so a row sum per chunk is a reduction across warps through
-# shared memory and a barrier (sm_90a SASS with Triton 3.6, exp2 softmax, loop instructions a chunk: 515 -> 495 at 128
-# keys, 374 -> 349 at 64, 331 -> 311 at 64 with hoisted offsets). Only at 16 heads a program (BLOCK_H, every head
-# shape of the anchors): with more, the warps split the heads as well, and the kept sums would cost registers for
-# less (not built). On by default; the per-chunk sum stays until both are timed on a GPU (docs/perf-notes.md v71,
-# ``benchmarks/row_loop_ab.py``).
-ROW_LATE_SUM = True
 # Prefill batches of at most this many rows x KV heads leave the tiles' rows to the per-row kernel, not to the
 # KV-block launches: there the per-row kernel's GPU time is within ~10 us of theirs (at 1k rows on a 120k prefix,
 # random selections: 173 against 164 us; faster at short contexts), and one launch instead of four plus two torch
@@ -257,6 +239,12 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
     block_h = max(16, next_pow2(num_heads // kv_heads))
     block_n, stages = _row_pipeline(prefill is None, splits, dot_f32, block_h, bs, num_tokens * kv_heads * splits,
                                     topk)
+    # At 16 heads a program the 4 warps split each chunk's keys, so a row sum per chunk is a reduction across warps
+    # through shared memory and a barrier: each (head, key column) keeps its own sum and they are added once after
+    # the loop (LATE_ROW_SUM). With the exp2 softmax: sm_90a SASS with Triton 3.6, loop instructions a 128-key chunk
+    # 587 -> 495; H100, 16-layer graphs, attend us, 32 x 128k x 4 rows sharing 12/16: 28.93 -> 28.06, no case
+    # slower by > 0.4 % (docs/perf-notes.md v71, v72). With more heads the warps split the heads as well, and the
+    # kept sums would cost registers for less (not built).
     # One stride() call per tensor (~0.2 µs of host time each, before an eager prefill's first kernel).
     launch(_sparse_attn_kernel, (num_tokens, kv_heads, splits),
         q, *q.stride()[:2], kv_cache, *kv_cache.stride()[:3], topk_ids, *topk_ids.stride(),
@@ -266,8 +254,8 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
         IS_DECODE=prefill is None, SKIP_TILED=tiled is not None, G=num_heads // kv_heads,
         BLOCK_H=block_h, BS=bs, D=dim, TOPK=topk, TOPK_PAD=ids_pad(topk),
         K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
-        WRITE_OUT=splits == 1, PDL=pdl, BLOCK_N=block_n, HOISTED_OFFSETS=ROW_HOISTED_OFFSETS, EXP2=ROW_EXP2,
-        LATE_ROW_SUM=ROW_LATE_SUM and block_h == 16,
+        WRITE_OUT=splits == 1, PDL=pdl, BLOCK_N=block_n, HOISTED_OFFSETS=ROW_HOISTED_OFFSETS,
+        LATE_ROW_SUM=block_h == 16,
         num_warps=4, num_stages=stages, launch_pdl=pdl > 0)
     _merge_split_partials(m, l, acc, out, splits, pdl)
     return out

@@ -195,7 +195,7 @@ def _kv_block_steps(q_ptr, q_st, q_sh, k, v, loaded, key_pos, slot, g, pos_shift
         m_i, l_i, acc = attend_keys(q, k, v, seen, tl.full([M], float("-inf"), tl.float32),
                                     tl.zeros([M], tl.float32), tl.zeros([M, D], tl.float32), k_mult,
                                     ks_ptr + g * ks_sh + slot, vs_ptr + g * vs_sh + slot, loaded, K_SCALE,
-                                    V_SCALE, DOT_F32, True, MASKED)
+                                    V_SCALE, DOT_F32, MASKED)
         o = acc * (v_mult / tl.where(l_i > 0, l_i, 1.0))[:, None]
         # m_i is in log2 units; no key seen (l_i 0): -inf, a weight of 0 in the merge.
         lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453,

@@ -170,7 +170,7 @@ def _attend_chunks(entries, lo, hi, q, kv_ptr, kv_sp, kv_sh, kv_ss, kv_off, ks_p
             k = tl.load(base, mask=loaded[:, None], other=0.0)
             v = tl.load(base + D, mask=loaded[:, None], other=0.0)
         m_i, l_i, acc = attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
-                                    vs_ptr + g * vs_sh + slot, loaded, K_SCALE, V_SCALE, DOT_F32, True, MODE > 0)
+                                    vs_ptr + g * vs_sh + slot, loaded, K_SCALE, V_SCALE, DOT_F32, MODE > 0)
         blk, page, rows = _union_entry(entries, tl.minimum((chunk + 1) // SUB, hi - 1), N)
     return m_i, l_i, acc
 
