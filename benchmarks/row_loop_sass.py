@@ -1,8 +1,9 @@
 """The per-row attention kernel's sm_90a machine code, built on any machine (no GPU): instructions a loop step by
 opcode, registers, shared memory and local-memory (spill) instructions, for one launch shape, with hoisted chunk
-offsets or not. What perf-notes v70 and v71 predicted their timings from (issue 5).
+offsets or not, with the scores a chunk ahead or not. What perf-notes v70-v72 predicted their timings from
+(issue 5).
 
-    python benchmarks/row_loop_sass.py [--keys 128] [--stages 3] [--hoisted] [--json F]
+    python benchmarks/row_loop_sass.py [--keys 128] [--stages 3] [--hoisted] [--qk-ahead] [--json F]
 
 The build is a decode launch of 16 heads per KV head (one program's M), bf16 queries and cache, split partials out,
 compiled by Triton for sm_90a with the launch's alignment facts (pointers and the strides the kernel steps by are
@@ -49,14 +50,14 @@ def _opcode(text: str) -> str:
     return words[1] if words[0].startswith("@") else words[0]
 
 
-def build(keys: int = 128, stages: int = 3, hoisted: bool = False) -> dict:
+def build(keys: int = 128, stages: int = 3, hoisted: bool = False, qk_ahead: bool = False) -> dict:
     """The sm_90a build of one per-row launch: {"registers", "shared" (bytes), "spills" (local-memory
     instructions in the kernel), "loop" (the loop step's instructions, in order), "ops" (Counter of their
     opcodes)}."""
     kernel = SA._sparse_attn_kernel
     consts = dict(IS_DECODE=True, SKIP_TILED=False, G=16, BLOCK_H=16, BS=128, D=128, TOPK=16, TOPK_PAD=16, K_SCALE=0,
                   V_SCALE=0, DOT_F32=False, WRITE_OUT=False, PDL=0, BLOCK_N=keys, HOISTED_OFFSETS=hoisted,
-                  LATE_ROW_SUM=True)
+                  LATE_ROW_SUM=True, QK_AHEAD=qk_ahead)
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in consts:
@@ -94,11 +95,12 @@ def main(argv=None) -> None:
     parser.add_argument("--keys", type=int, default=128, help="keys a loop step (BLOCK_N: 128 or 64)")
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--hoisted", action="store_true", help="hoisted chunk offsets (ROW_HOISTED_OFFSETS)")
+    parser.add_argument("--qk-ahead", action="store_true", help="scores a chunk ahead (ROW_QK_AHEAD)")
     parser.add_argument("--json", help="write the build (the loop step's instructions included) to this file")
     args = parser.parse_args(argv)
     if not available():
         parser.error("this Triton install has no bundled ptxas / cuobjdump")
-    got = build(args.keys, args.stages, args.hoisted)
+    got = build(args.keys, args.stages, args.hoisted, args.qk_ahead)
     print(f"triton {triton.__version__}, sm_90a, {args.keys} keys x {args.stages} stages: {len(got['loop'])} "
           f"instructions a loop step, {got['registers']} registers, {got['shared']} B shared, "
           f"{got['spills']} local-memory instructions")

@@ -183,32 +183,37 @@ def test_profile_row_decode_asks_ncu_for_its_shape_and_prints_its_metrics(profil
     assert (tmp_path / "out" / "ncu-8x32768x1-ids-2-64-3.txt").exists()
 
 
-def test_row_loop_ab_runs_each_form_with_its_switch_and_restores_it(monkeypatch):
-    """Each form of the A/B reaches ``sparse_attn_decode`` with its hoisted-offsets switch set, the shipped value
-    first (the diffs' reference) and both values timed, and the module's switch and op are back as they were after
-    each call and after the run."""
+def test_row_loop_ab_runs_each_form_with_its_switches_and_restores_them(monkeypatch):
+    """Each form of the A/B reaches ``sparse_attn_decode`` with its loop switches set, the shipped values first (the
+    diffs' reference) and both values of each switch timed, and the module's switches and op are back as they were
+    after each call and after the run."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     ab = importlib.import_module("row_loop_ab")
     import m3sparse.kernels.sparse_attn as SA
 
-    shipped, op = SA.ROW_HOISTED_OFFSETS, SA.sparse_attn_decode
+    def switches():
+        return tuple(getattr(SA, name) for name in ab.SWITCHES)
+
+    shipped, op = switches(), SA.sparse_attn_decode
     seen = []
 
     def decode(*args, **kwargs):  # stands in for the op: what the form set while it runs
-        seen.append((SA.ROW_HOISTED_OFFSETS, kwargs["rows_together"]))
+        seen.append((switches(), kwargs["rows_together"]))
 
     def forms_main(argv):
         assert argv[-2:] == ["--forms", ",".join(ab.FORMS)] and argv[:2] == ["--cases", "8:32k:4"]
         for name, form_kwargs in ab.spec_decode_forms.FORMS.items():
             SA.sparse_attn_decode(*range(10), **form_kwargs)
-            assert SA.ROW_HOISTED_OFFSETS == shipped, name
+            assert switches() == shipped, name
             assert seen.pop() == (ab.FORMS[name], False), name
 
     monkeypatch.setattr(ab, "DECODE", decode)
     monkeypatch.setattr(ab.spec_decode_forms, "main", forms_main)
     ab.main(["--cases", "8:32k:4"])
-    assert SA.sparse_attn_decode is op and SA.ROW_HOISTED_OFFSETS == shipped
-    assert set(ab.FORMS.values()) == {False, True}
+    assert SA.sparse_attn_decode is op and switches() == shipped
+    assert ab.SWITCHES == ("ROW_HOISTED_OFFSETS", "ROW_QK_AHEAD")
+    for i in range(len(ab.SWITCHES)):
+        assert {form[i] for form in ab.FORMS.values()} == {False, True}
     assert ab.FORMS[next(iter(ab.FORMS))] == shipped
 
 

@@ -1214,6 +1214,17 @@ def test_decode_attention_splits(target, splits, kv_dtype, rows_together):
     assert_decode_attention_matches_reference(target, kv_dtype, splits, splits=splits, rows_together=rows_together)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2])
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_decode_attention_scores_a_block_ahead(target, splits, kv_dtype, monkeypatch):
+    """The per-row kernel taking each block's scores one block ahead of its softmax (``ROW_QK_AHEAD``), whole
+    blocks at 1, 3 and 16 splits (16: more splits than blocks, half a block each), against the reference: the
+    chunk after a split's last is fully masked, whichever block follows it."""
+    import m3sparse.kernels.sparse_attn as SA
+    monkeypatch.setattr(SA, "ROW_QK_AHEAD", True)
+    assert_decode_attention_matches_reference(target, kv_dtype, 60 + splits, splits=splits, rows_together=False)
+
+
 @pytest.mark.parametrize("dql", [2, 3, 4])
 @pytest.mark.parametrize("min_tiles", [3, 4])
 def test_decode_rows_together_rule(target, dql, min_tiles, monkeypatch):
@@ -1296,9 +1307,10 @@ def test_decode_attention_splits_leave_no_program_without_a_block(target, splits
         assert 1 < grid_splits <= splits and (grid_splits - 1) * -(-chunks // grid_splits) < chunks
 
 
-def walk_half_blocks(target, hoisted: bool, monkeypatch) -> int:
+def walk_half_blocks(target, hoisted: bool, monkeypatch, ahead: bool = False) -> int:
     """Per-row launches walk each block in two chunks of keys, at the stages the rule gives, with hoisted chunk
-    offsets or not (``ROW_HOISTED_OFFSETS``); returns the smallest chunk, which a GPU dot bounds at 16 keys."""
+    offsets or not (``ROW_HOISTED_OFFSETS``) and the scores a chunk ahead or not (``ROW_QK_AHEAD``); returns the
+    smallest chunk, which a GPU dot bounds at 16 keys."""
     import m3sparse.kernels.sparse_attn as SA
     chunk_floor = 16 if target == "cuda" else 1
     rule = SA._row_pipeline
@@ -1309,32 +1321,35 @@ def walk_half_blocks(target, hoisted: bool, monkeypatch) -> int:
 
     monkeypatch.setattr(SA, "_row_pipeline", half_blocks)
     monkeypatch.setattr(SA, "ROW_HOISTED_OFFSETS", hoisted)
+    monkeypatch.setattr(SA, "ROW_QK_AHEAD", ahead)
     return chunk_floor
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("hoisted", [False, True])
-def test_decode_attention_in_key_chunks(target, splits, kv_dtype, hoisted, monkeypatch):
+@pytest.mark.parametrize("hoisted, ahead", [(False, False), (True, False), (False, True)])
+def test_decode_attention_in_key_chunks(target, splits, kv_dtype, hoisted, ahead, monkeypatch):
     """The per-row kernel walking each block in two chunks of keys (the one-split decode launch of grids that
     fill an even number of whole-block waves, ``_row_pipeline``), one and three splits per row, its chunk offsets
-    computed per chunk or hoisted (``ROW_HOISTED_OFFSETS``), with its row sums kept per key column through the loop
+    computed per chunk or hoisted (``ROW_HOISTED_OFFSETS``), its scores a chunk ahead of the softmax or not
+    (``ROW_QK_AHEAD``), with its row sums kept per key column through the loop
     (``LATE_ROW_SUM``, at 16 heads a program) and its split partials' maxima back in natural-log units, against the
     reference; padding rows 0."""
     import m3sparse.kernels.sparse_attn as SA
-    chunk_floor = walk_half_blocks(target, hoisted, monkeypatch)
+    chunk_floor = walk_half_blocks(target, hoisted, monkeypatch, ahead)
     launches = []
     real = SA.launch
 
     def spy(kernel, grid, *args, **meta):
         if kernel is SA._sparse_attn_kernel:
-            launches.append((meta["BS"], meta["BLOCK_N"], meta["HOISTED_OFFSETS"], meta["LATE_ROW_SUM"]))
+            launches.append((meta["BS"], meta["BLOCK_N"], meta["HOISTED_OFFSETS"], meta["QK_AHEAD"],
+                             meta["LATE_ROW_SUM"]))
         return real(kernel, grid, *args, **meta)
 
     monkeypatch.setattr(SA, "launch", spy)
     assert_decode_attention_matches_reference(target, kv_dtype, 7 + splits, splits=splits, rows_together=False)
     assert launches, "no per-row launch"
-    assert all(block_n == max(bs // 2, chunk_floor) < bs and tuple(switches) == (hoisted, True)
+    assert all(block_n == max(bs // 2, chunk_floor) < bs and tuple(switches) == (hoisted, ahead, True)
                for bs, block_n, *switches in launches)
 
 
@@ -1358,15 +1373,19 @@ def test_adversarial_and_permuted_ids(target):
     assert rel_err(got2, got) <= 1e-5 if target != "cuda" else rel_err(got2, got) <= 1e-2
 
 
-@pytest.mark.parametrize("rows_together, hoisted", [(False, False), (False, True), (True, False)])
-def test_adversarial_ids_in_speculative_decode(target, rows_together, hoisted, monkeypatch):
+@pytest.mark.parametrize("rows_together, hoisted, ahead", [(False, False, False), (False, True, False),
+                                                          (False, False, True), (True, False, False)])
+def test_adversarial_ids_in_speculative_decode(target, rows_together, hoisted, ahead, monkeypatch):
     """Decode rows of one request with duplicate, negative, huge and future ids (the tile kernel's union must
     drop them as the per-row kernel does), rows sharing most blocks, a request whose first rows sit at negative
     positions, and a padding request. With ``hoisted``, the per-row kernel walks half blocks (where a dot takes
-    them: not 16-key blocks on a GPU) with its chunk offsets hoisted (``ROW_HOISTED_OFFSETS``)."""
+    them: not 16-key blocks on a GPU) with its chunk offsets hoisted (``ROW_HOISTED_OFFSETS``). With ``ahead``, it
+    walks whole blocks with each block's scores taken a block ahead (``ROW_QK_AHEAD``)."""
+    import m3sparse.kernels.sparse_attn as SA
     from m3sparse.kernels.sparse_attn import sparse_attn_decode
     if hoisted:
         walk_half_blocks(target, True, monkeypatch)
+    monkeypatch.setattr(SA, "ROW_QK_AHEAD", ahead)
     dev = device_of(target)
     batch = make_batch([(16 * 9 + 1, 3), (20, 3), (-1, 3), (-3, 3)], heads=4, kv_heads=2, block_size=16,
                        q_dtype=act_dtype(target), decode_query_len=3, seed=11, device=dev)

@@ -9,19 +9,36 @@ import triton.language as tl
 def attend_keys(q, k, v, seen, m_i, l_i, acc, k_mult, ks_ptrs, vs_ptrs, slot_mask, K_SCALE: tl.constexpr,
                 V_SCALE: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr = True,
                 LATE_ROW_SUM: tl.constexpr = False):
-    """Fold keys k / values v [N, D] into the running (max m_i [M], sum l_i [M], accumulator acc [M, D]).
+    """Fold keys k / values v [N, D] into the running (max m_i [M], sum l_i [M], accumulator acc [M, D]):
+    ``fold_scores`` of ``key_scores(q, k)``. Returns the new (m_i, l_i, acc)."""
+    return fold_scores(key_scores(q, k, DOT_F32), q, v, seen, m_i, l_i, acc, k_mult, ks_ptrs, vs_ptrs, slot_mask,
+                       K_SCALE, V_SCALE, DOT_F32, MASKED, LATE_ROW_SUM)
 
-    seen: which (row, key) pairs count, broadcastable to [M, N]; ks_ptrs / vs_ptrs: per-slot fp8 scales of the
-    N keys (read when K_SCALE / V_SCALE == 2, under slot_mask). The scores and m_i are in log2 units (k_mult carries
-    the log2(e) factor): ``tl.exp2`` is one MUFU.EX2, where ``tl.exp`` adds a multiply and a denormal range check (a
-    compare and two predicated multiplies; sm_90a SASS). With LATE_ROW_SUM, l_i is [M, N]: each (row, key column)'s own
-    running sum, which the caller sums over its columns after the last step (where the warps split the keys, a
-    reduction across warps per step less). Returns the new (m_i, l_i, acc).
-    """
+
+@triton.jit
+def key_scores(q, k, DOT_F32: tl.constexpr):
+    """The raw scores q [M, D] . k [N, D]^T, [M, N] fp32 (the dot in fp32 with DOT_F32, else in q's dtype)."""
     if DOT_F32:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k.to(q.dtype)))
+    return s
+
+
+@triton.jit
+def fold_scores(s, q, v, seen, m_i, l_i, acc, k_mult, ks_ptrs, vs_ptrs, slot_mask, K_SCALE: tl.constexpr,
+                V_SCALE: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr = True,
+                LATE_ROW_SUM: tl.constexpr = False):
+    """Fold a chunk's raw scores s [M, N] (``key_scores``) and its values v [N, D] into the running (max m_i [M],
+    sum l_i [M], accumulator acc [M, D]); q gives the dtype of the values' dot.
+
+    seen: which (row, key) pairs count, broadcastable to [M, N]; ks_ptrs / vs_ptrs: per-slot fp8 scales of the
+    N keys (read when K_SCALE / V_SCALE == 2, under slot_mask). The scores and m_i are in log2 units (k_mult carries
+    the log2(e) factor): ``tl.exp2`` is one MUFU.EX2, where ``tl.exp`` adds a multiply and a denormal range check (a
+    compare and two predicated multiplies; sm_90a SASS). With LATE_ROW_SUM, l_i is [M, N]: each (row, key column)'s
+    own running sum, which the caller sums over its columns after the last step (where the warps split the keys, a
+    reduction across warps per step less). Returns the new (m_i, l_i, acc).
+    """
     # A host-side k_mult (K_SCALE 0) is > 0 (validated): the row max is taken on the raw dots and scaled once per
     # row, and each score's scaling folds into its exponent's FMA (one multiply less per score).
     if K_SCALE == 0:

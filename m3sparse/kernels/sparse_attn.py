@@ -24,11 +24,27 @@ from .._validation import FP8_DTYPES
 from .common import H200_SMS, cdiv, dot_in_fp32, gluon_may_run, ids_pad, interpreting, next_pow2, scale_args
 from .dependent_launch import PDL_EARLY, chained_launch, dependent_launch_works, release_consumer, wait_for_producer
 from .launch import launch, launch_each
-from .online_softmax import attend_keys, softmax_multipliers, store_rows
+from .online_softmax import attend_keys, fold_scores, key_scores, softmax_multipliers, store_rows
 from .rows import locate_prefill, row_ids, slot_of
 from .sparse_attn_kv_major import counter_words, kv_major_fits, sparse_attn_kv_major
 from .sparse_attn_tiles import _sparse_attn_tiles_kernel
 from .tile_order import order_tile_rows
+
+
+@triton.jit
+def _row_chunk(chunk, live, ids, pages, kk, p, num_pages, g, kv_sp, kv_sh, kv_ss, j, BS: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Chunk ``chunk`` (of BLOCK_N keys) of a row at position p whose selected blocks are ids / pages (slot index
+    kk): (seen [BLOCK_N], which keys count; start, the chunk's element offset in the cache for KV head g (int64);
+    slot [BLOCK_N], the keys' cache slots). Nothing counts where ``live`` is false or the slot holds no valid id."""
+    SUB: tl.constexpr = BS // BLOCK_N
+    blk, page = slot_of(ids, pages, kk, chunk // SUB)
+    first = (chunk % SUB) * BLOCK_N
+    use = (page >= 0) & (page < num_pages) & live
+    page = tl.where(use, page, 0).to(tl.int64)
+    # (key index < limit) rather than "& use": the interpreter rejects a scalar bool broadcast into a mask
+    seen = (j <= p - blk * BS - first) & (j < tl.where(use, BS - first, 0))
+    return seen, page * kv_sp + g * kv_sh + first * kv_ss, page * BS + first + j
 
 
 @triton.jit
@@ -40,7 +56,7 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
                         BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
                         TOPK_PAD: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
                         WRITE_OUT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                        HOISTED_OFFSETS: tl.constexpr, LATE_ROW_SUM: tl.constexpr):
+                        HOISTED_OFFSETS: tl.constexpr, LATE_ROW_SUM: tl.constexpr, QK_AHEAD: tl.constexpr):
     wait_for_producer(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
@@ -90,26 +106,47 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
         # No branch in the loop body: ignored ids become fully masked blocks (nothing is loaded for them), so the
         # compiler can keep the next block's loads in flight while this one is reduced.
         # Each block in SUB chunks of BLOCK_N keys: smaller pipeline stages let more programs share an SM.
-        for chunk in range(lo, tl.minimum(TOPK * SUB, lo + per_split)):
-            blk, page = slot_of(ids, pages, kk, chunk // SUB)
-            first = (chunk % SUB) * BLOCK_N
-            use = (page >= 0) & (page < num_pages)
-            page = tl.where(use, page, 0).to(tl.int64)
-            # (key index < limit) rather than "& use": the interpreter rejects a scalar bool broadcast into a mask
-            if HOISTED_OFFSETS:
-                # The chunk's key offsets as one loop-invariant tensor and a scalar start: with half-block chunks,
-                # offsets from the chunk's own key index cost ~57 of 414 instructions a chunk (sm_90a SASS).
-                seen = (j <= p - blk * BS - first) & (j < tl.where(use, BS - first, 0))
-                base = kv_ptr + (page * kv_sp + g * kv_sh + first * kv_ss) + offsets
-            else:
-                keys = first + j
-                seen = ((blk * BS + keys) <= p) & (keys < tl.where(use, BS, 0))
-                base = kv_ptr + page * kv_sp + g * kv_sh + keys[:, None] * kv_ss + d[None, :]
-            slot = page * BS + first + j
-            k = tl.load(base, mask=seen[:, None], other=0.0)
-            v = tl.load(base + D, mask=seen[:, None], other=0.0)
-            m_i, l_i, acc = attend_keys(q, k, v, seen[None, :], m_i, l_i, acc, k_mult, ks_ptr + g * ks_sh + slot,
-                                        vs_ptr + g * vs_sh + slot, seen, K_SCALE, V_SCALE, DOT_F32, True, LATE_ROW_SUM)
+        hi = tl.minimum(TOPK * SUB, lo + per_split)
+        if QK_AHEAD:
+            # The next chunk's scores are taken before this chunk's softmax: with one warp per scheduler the dot's
+            # tensor-core work is the only independent work the scheduler can issue under the softmax's dependent
+            # chain (max across warps, exponentials, the values' dot). The chunk after the last is fully masked.
+            seen, start, slot = _row_chunk(lo, lo < hi, ids, pages, kk, p, num_pages, g, kv_sp, kv_sh, kv_ss, j, BS,
+                                           BLOCK_N)
+            s = key_scores(q, tl.load(kv_ptr + start + offsets, mask=seen[:, None], other=0.0), DOT_F32)
+            for chunk in range(lo, hi):
+                v = tl.load(kv_ptr + start + offsets + D, mask=seen[:, None], other=0.0)
+                seen_next, start_next, slot_next = _row_chunk(chunk + 1, chunk + 1 < hi, ids, pages, kk, p,
+                                                              num_pages, g, kv_sp, kv_sh, kv_ss, j, BS, BLOCK_N)
+                k_next = tl.load(kv_ptr + start_next + offsets, mask=seen_next[:, None], other=0.0)
+                s_next = key_scores(q, k_next, DOT_F32)
+                m_i, l_i, acc = fold_scores(s, q, v, seen[None, :], m_i, l_i, acc, k_mult,
+                                            ks_ptr + g * ks_sh + slot, vs_ptr + g * vs_sh + slot, seen, K_SCALE,
+                                            V_SCALE, DOT_F32, True, LATE_ROW_SUM)
+                s, seen, start, slot = s_next, seen_next, start_next, slot_next
+        else:
+            for chunk in range(lo, hi):
+                blk, page = slot_of(ids, pages, kk, chunk // SUB)
+                first = (chunk % SUB) * BLOCK_N
+                use = (page >= 0) & (page < num_pages)
+                page = tl.where(use, page, 0).to(tl.int64)
+                # (key index < limit) rather than "& use": the interpreter rejects a scalar bool broadcast into a
+                # mask
+                if HOISTED_OFFSETS:
+                    # The chunk's key offsets as one loop-invariant tensor and a scalar start: with half-block
+                    # chunks, offsets from the chunk's own key index cost ~57 of 414 instructions a chunk (sm_90a).
+                    seen = (j <= p - blk * BS - first) & (j < tl.where(use, BS - first, 0))
+                    base = kv_ptr + (page * kv_sp + g * kv_sh + first * kv_ss) + offsets
+                else:
+                    keys = first + j
+                    seen = ((blk * BS + keys) <= p) & (keys < tl.where(use, BS, 0))
+                    base = kv_ptr + page * kv_sp + g * kv_sh + keys[:, None] * kv_ss + d[None, :]
+                slot = page * BS + first + j
+                k = tl.load(base, mask=seen[:, None], other=0.0)
+                v = tl.load(base + D, mask=seen[:, None], other=0.0)
+                m_i, l_i, acc = attend_keys(q, k, v, seen[None, :], m_i, l_i, acc, k_mult,
+                                            ks_ptr + g * ks_sh + slot, vs_ptr + g * vs_sh + slot, seen, K_SCALE,
+                                            V_SCALE, DOT_F32, True, LATE_ROW_SUM)
         if LATE_ROW_SUM:
             l_i = tl.sum(l_i, axis=1)
         m_i = m_i * 0.6931471805599453  # log2 units here, natural-log units in the partials
@@ -173,6 +210,11 @@ ONE_SPLIT_CHUNK, SHORT_SECOND_WAVE = 64, 208
 # 3.6, loop instructions a chunk: 349 -> 311 at 64 keys, 495 -> 505 at 128). H100, 128-key grids: -2 % at 32 x 128k
 # x 4, +0.4-0.7 % elsewhere (docs/perf-notes.md v72); off until 64-key grids are timed (``benchmarks/row_loop_ab.py``).
 ROW_HOISTED_OFFSETS = False
+# Per-row kernel: each chunk's scores taken one step ahead of its softmax (``_sparse_attn_kernel``). v72's A/B found
+# the one-split loop not bound by its instruction count (16 % fewer: 3 % faster); v70's profile stalls it on
+# dependencies (short scoreboard, fixed latency) at one warp per scheduler. Off until timed on a GPU
+# (docs/perf-notes.md v72, ``benchmarks/row_loop_ab.py``).
+ROW_QK_AHEAD = False
 # Prefill batches of at most this many rows x KV heads leave the tiles' rows to the per-row kernel, not to the
 # KV-block launches: there the per-row kernel's GPU time is within ~10 us of theirs (at 1k rows on a 120k prefix,
 # random selections: 173 against 164 us; faster at short contexts), and one launch instead of four plus two torch
@@ -255,7 +297,7 @@ def _row_attn(q, kv_cache, topk_ids, block_table, seq_lens, decode_query_len, sc
         BLOCK_H=block_h, BS=bs, D=dim, TOPK=topk, TOPK_PAD=ids_pad(topk),
         K_SCALE=sc.k_mode, V_SCALE=sc.v_mode, DOT_F32=dot_f32,
         WRITE_OUT=splits == 1, PDL=pdl, BLOCK_N=block_n, HOISTED_OFFSETS=ROW_HOISTED_OFFSETS,
-        LATE_ROW_SUM=block_h == 16,
+        LATE_ROW_SUM=block_h == 16, QK_AHEAD=ROW_QK_AHEAD,
         num_warps=4, num_stages=stages, launch_pdl=pdl > 0)
     _merge_split_partials(m, l, acc, out, splits, pdl)
     return out
