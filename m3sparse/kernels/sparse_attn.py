@@ -126,22 +126,23 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
                 s, seen, start, slot = s_next, seen_next, start_next, slot_next
         else:
             for chunk in range(lo, hi):
-                blk, page = slot_of(ids, pages, kk, chunk // SUB)
-                first = (chunk % SUB) * BLOCK_N
-                use = (page >= 0) & (page < num_pages)
-                page = tl.where(use, page, 0).to(tl.int64)
-                # (key index < limit) rather than "& use": the interpreter rejects a scalar bool broadcast into a
-                # mask
                 if HOISTED_OFFSETS:
                     # The chunk's key offsets as one loop-invariant tensor and a scalar start: with half-block
                     # chunks, offsets from the chunk's own key index cost ~57 of 414 instructions a chunk (sm_90a).
-                    seen = (j <= p - blk * BS - first) & (j < tl.where(use, BS - first, 0))
-                    base = kv_ptr + (page * kv_sp + g * kv_sh + first * kv_ss) + offsets
+                    seen, start, slot = _row_chunk(chunk, True, ids, pages, kk, p, num_pages, g, kv_sp, kv_sh, kv_ss,
+                                                   j, BS, BLOCK_N)
+                    base = kv_ptr + start + offsets
                 else:
+                    blk, page = slot_of(ids, pages, kk, chunk // SUB)
+                    first = (chunk % SUB) * BLOCK_N
+                    use = (page >= 0) & (page < num_pages)
+                    page = tl.where(use, page, 0).to(tl.int64)
                     keys = first + j
+                    # (key index < limit) rather than "& use": the interpreter rejects a scalar bool broadcast into
+                    # a mask
                     seen = ((blk * BS + keys) <= p) & (keys < tl.where(use, BS, 0))
                     base = kv_ptr + page * kv_sp + g * kv_sh + keys[:, None] * kv_ss + d[None, :]
-                slot = page * BS + first + j
+                    slot = page * BS + first + j
                 k = tl.load(base, mask=seen[:, None], other=0.0)
                 v = tl.load(base + D, mask=seen[:, None], other=0.0)
                 m_i, l_i, acc = attend_keys(q, k, v, seen[None, :], m_i, l_i, acc, k_mult,
