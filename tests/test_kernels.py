@@ -1218,8 +1218,8 @@ def test_decode_attention_splits(target, splits, kv_dtype, rows_together):
 @pytest.mark.parametrize("splits", [1, 3, 16])
 def test_decode_attention_scores_a_block_ahead(target, splits, kv_dtype, monkeypatch):
     """The per-row kernel taking each block's scores one block ahead of its softmax (``ROW_QK_AHEAD``), whole
-    blocks at 1, 3 and 16 splits (16: more splits than blocks, half a block each), against the reference: the
-    chunk after a split's last is fully masked, whichever block follows it."""
+    blocks at 1, 3 and 16 splits of k = 16 (16: one block a split), against the reference: the chunk after a
+    split's last is fully masked, whichever block follows it. Half blocks: ``test_decode_attention_in_key_chunks``."""
     import m3sparse.kernels.sparse_attn as SA
     monkeypatch.setattr(SA, "ROW_QK_AHEAD", True)
     assert_decode_attention_matches_reference(target, kv_dtype, 60 + splits, splits=splits, rows_together=False)
