@@ -1185,13 +1185,14 @@ def test_sparse_attn_matches_reference(target, name, kv_dtype, layout, scale_kin
     assert (got[pad] == 0).all()
 
 
-def assert_decode_attention_matches_reference(target, kv_dtype, seed, **launch):
-    """``sparse_attn_decode`` (with ``launch``: splits, rows_together) on speculative rows against the reference;
-    output poisoned first, padding rows 0."""
+def assert_decode_attention_matches_reference(target, kv_dtype, seed, scale_kind="scalar", **launch):
+    """``sparse_attn_decode`` (with ``launch``: splits, rows_together) on speculative rows against the reference, fp8
+    caches with one scale (``scale_kind`` "scalar") or a scale per slot ("per_slot"); output poisoned first, padding
+    rows 0."""
     from m3sparse.kernels.sparse_attn import sparse_attn_decode
     name = "speculative-edge" if target != "cuda" else "tp8-spec-decode"
     spec = dict(cases_for(target)[name], q_dtype=act_dtype(target))
-    batch = make_batch(**spec, kv_dtype=kv_dtype, scale_kind="scalar", seed=seed, device=device_of(target))
+    batch = make_batch(**spec, kv_dtype=kv_dtype, scale_kind=scale_kind, seed=seed, device=device_of(target))
     ids = batch.index_decode(impl=reference)
     meta = batch.decode_meta()
     out = torch.full_like(batch.q, float("nan"))
@@ -1214,15 +1215,18 @@ def test_decode_attention_splits(target, splits, kv_dtype, rows_together):
     assert_decode_attention_matches_reference(target, kv_dtype, splits, splits=splits, rows_together=rows_together)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2])
+@pytest.mark.parametrize("kv_dtype, scale_kind", [(torch.bfloat16, "scalar"), (torch.float8_e5m2, "scalar"),
+                                                  (torch.float8_e4m3fn, "per_slot")])
 @pytest.mark.parametrize("splits", [1, 3, 16])
-def test_decode_attention_scores_a_block_ahead(target, splits, kv_dtype, monkeypatch):
+def test_decode_attention_scores_a_block_ahead(target, splits, kv_dtype, scale_kind, monkeypatch):
     """The per-row kernel taking each block's scores one block ahead of its softmax (``ROW_QK_AHEAD``), whole
     blocks at 1, 3 and 16 splits of k = 16 (16: one block a split), against the reference: the chunk after a
-    split's last is fully masked, whichever block follows it. Half blocks: ``test_decode_attention_in_key_chunks``."""
+    split's last is fully masked, whichever block follows it; per-slot fp8 scales are read for the chunk being
+    folded, not the one ahead. Half blocks: ``test_decode_attention_in_key_chunks``."""
     import m3sparse.kernels.sparse_attn as SA
     monkeypatch.setattr(SA, "ROW_QK_AHEAD", True)
-    assert_decode_attention_matches_reference(target, kv_dtype, 60 + splits, splits=splits, rows_together=False)
+    assert_decode_attention_matches_reference(target, kv_dtype, 60 + splits, scale_kind, splits=splits,
+                                              rows_together=False)
 
 
 @pytest.mark.parametrize("dql", [2, 3, 4])
@@ -1325,16 +1329,16 @@ def walk_half_blocks(target, hoisted: bool, monkeypatch, ahead: bool = False) ->
     return chunk_floor
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("kv_dtype, scale_kind", [(torch.bfloat16, "scalar"), (torch.float8_e4m3fn, "per_slot")])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("hoisted, ahead", [(False, False), (True, False), (False, True)])
-def test_decode_attention_in_key_chunks(target, splits, kv_dtype, hoisted, ahead, monkeypatch):
+def test_decode_attention_in_key_chunks(target, splits, kv_dtype, scale_kind, hoisted, ahead, monkeypatch):
     """The per-row kernel walking each block in two chunks of keys (the one-split decode launch of grids that
     fill an even number of whole-block waves, ``_row_pipeline``), one and three splits per row, its chunk offsets
     computed per chunk or hoisted (``ROW_HOISTED_OFFSETS``), its scores a chunk ahead of the softmax or not
     (``ROW_QK_AHEAD``), with its row sums kept per key column through the loop
-    (``LATE_ROW_SUM``, at 16 heads a program) and its split partials' maxima back in natural-log units, against the
-    reference; padding rows 0."""
+    (``LATE_ROW_SUM``, at 16 heads a program) and its split partials' maxima back in natural-log units, bf16 and
+    an e4m3 cache with a scale per slot, against the reference; padding rows 0."""
     import m3sparse.kernels.sparse_attn as SA
     chunk_floor = walk_half_blocks(target, hoisted, monkeypatch, ahead)
     launches = []
@@ -1347,7 +1351,8 @@ def test_decode_attention_in_key_chunks(target, splits, kv_dtype, hoisted, ahead
         return real(kernel, grid, *args, **meta)
 
     monkeypatch.setattr(SA, "launch", spy)
-    assert_decode_attention_matches_reference(target, kv_dtype, 7 + splits, splits=splits, rows_together=False)
+    assert_decode_attention_matches_reference(target, kv_dtype, 7 + splits, scale_kind, splits=splits,
+                                              rows_together=False)
     assert launches, "no per-row launch"
     assert all(block_n == max(bs // 2, chunk_floor) < bs and tuple(switches) == (hoisted, ahead, True)
                for bs, block_n, *switches in launches)

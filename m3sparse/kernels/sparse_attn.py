@@ -32,19 +32,21 @@ from .tile_order import order_tile_rows
 
 
 @triton.jit
-def _row_chunk(chunk, live, ids, pages, kk, p, num_pages, g, kv_sp, kv_sh, kv_ss, j, BS: tl.constexpr,
+def _row_chunk(chunk, live, ids, pages, kk, p, num_pages, g, kv_sp, kv_sh, kv_ss, BS: tl.constexpr,
                BLOCK_N: tl.constexpr):
     """Chunk ``chunk`` (of BLOCK_N keys) of a row at position p whose selected blocks are ids / pages (slot index
-    kk): (seen [BLOCK_N], which keys count; start, the chunk's element offset in the cache for KV head g (int64);
-    slot [BLOCK_N], the keys' cache slots). Nothing counts where ``live`` is false or the slot holds no valid id."""
+    kk), as scalars: (upto, limit), key j of the chunk counts where j <= upto and j < limit (nothing where ``live``
+    is false or the slot holds no valid id); start, the chunk's element offset in the cache for KV head g (int64);
+    slot, its first key's cache slot. Scalars rather than the [BLOCK_N] mask: a loop that carries a chunk to the
+    next step keeps two registers, not a predicate per copy."""
     SUB: tl.constexpr = BS // BLOCK_N
     blk, page = slot_of(ids, pages, kk, chunk // SUB)
     first = (chunk % SUB) * BLOCK_N
     use = (page >= 0) & (page < num_pages) & live
     page = tl.where(use, page, 0).to(tl.int64)
     # (key index < limit) rather than "& use": the interpreter rejects a scalar bool broadcast into a mask
-    seen = (j <= p - blk * BS - first) & (j < tl.where(use, BS - first, 0))
-    return seen, page * kv_sp + g * kv_sh + first * kv_ss, page * BS + first + j
+    return p - blk * BS - first, tl.where(use, BS - first, 0), page * kv_sp + g * kv_sh + first * kv_ss, \
+        page * BS + first
 
 
 @triton.jit
@@ -111,27 +113,32 @@ def _sparse_attn_kernel(q_ptr, q_st, q_sh, kv_ptr, kv_sp, kv_sh, kv_ss, ids_ptr,
             # The next chunk's scores are taken before this chunk's softmax: with one warp per scheduler the dot's
             # tensor-core work is the only independent work the scheduler can issue under the softmax's dependent
             # chain (max across warps, exponentials, the values' dot). The chunk after the last is fully masked.
-            seen, start, slot = _row_chunk(lo, lo < hi, ids, pages, kk, p, num_pages, g, kv_sp, kv_sh, kv_ss, j, BS,
-                                           BLOCK_N)
+            upto, limit, start, slot = _row_chunk(lo, lo < hi, ids, pages, kk, p, num_pages, g, kv_sp, kv_sh, kv_ss,
+                                                  BS, BLOCK_N)
+            seen = (j <= upto) & (j < limit)
             s = key_scores(q, tl.load(kv_ptr + start + offsets, mask=seen[:, None], other=0.0), DOT_F32)
             for chunk in range(lo, hi):
+                seen = (j <= upto) & (j < limit)
                 v = tl.load(kv_ptr + start + offsets + D, mask=seen[:, None], other=0.0)
-                seen_next, start_next, slot_next = _row_chunk(chunk + 1, chunk + 1 < hi, ids, pages, kk, p,
-                                                              num_pages, g, kv_sp, kv_sh, kv_ss, j, BS, BLOCK_N)
-                k_next = tl.load(kv_ptr + start_next + offsets, mask=seen_next[:, None], other=0.0)
-                s_next = key_scores(q, k_next, DOT_F32)
+                upto_next, limit_next, start_next, slot_next = _row_chunk(
+                    chunk + 1, chunk + 1 < hi, ids, pages, kk, p, num_pages, g, kv_sp, kv_sh, kv_ss, BS, BLOCK_N)
+                seen_next = (j <= upto_next) & (j < limit_next)
+                s_next = key_scores(q, tl.load(kv_ptr + start_next + offsets, mask=seen_next[:, None], other=0.0),
+                                    DOT_F32)
                 m_i, l_i, acc = fold_scores(s, q, v, seen[None, :], m_i, l_i, acc, k_mult,
-                                            ks_ptr + g * ks_sh + slot, vs_ptr + g * vs_sh + slot, seen, K_SCALE,
-                                            V_SCALE, DOT_F32, True, LATE_ROW_SUM)
-                s, seen, start, slot = s_next, seen_next, start_next, slot_next
+                                            ks_ptr + g * ks_sh + slot + j, vs_ptr + g * vs_sh + slot + j, seen,
+                                            K_SCALE, V_SCALE, DOT_F32, True, LATE_ROW_SUM)
+                s, upto, limit, start, slot = s_next, upto_next, limit_next, start_next, slot_next
         else:
             for chunk in range(lo, hi):
                 if HOISTED_OFFSETS:
                     # The chunk's key offsets as one loop-invariant tensor and a scalar start: with half-block
                     # chunks, offsets from the chunk's own key index cost ~57 of 414 instructions a chunk (sm_90a).
-                    seen, start, slot = _row_chunk(chunk, True, ids, pages, kk, p, num_pages, g, kv_sp, kv_sh, kv_ss,
-                                                   j, BS, BLOCK_N)
+                    upto, limit, start, slot = _row_chunk(chunk, True, ids, pages, kk, p, num_pages, g, kv_sp, kv_sh,
+                                                          kv_ss, BS, BLOCK_N)
+                    seen = (j <= upto) & (j < limit)
                     base = kv_ptr + start + offsets
+                    slot = slot + j
                 else:
                     blk, page = slot_of(ids, pages, kk, chunk // SUB)
                     first = (chunk % SUB) * BLOCK_N
