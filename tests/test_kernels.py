@@ -1387,7 +1387,6 @@ def test_adversarial_ids_in_speculative_decode(target, rows_together, hoisted, a
     them: not 16-key blocks on a GPU) with its chunk offsets hoisted (``ROW_HOISTED_OFFSETS``). With ``ahead``, it
     walks whole blocks with each block's scores taken a block ahead (``ROW_QK_AHEAD``)."""
     import m3sparse.kernels.sparse_attn as SA
-    from m3sparse.kernels.sparse_attn import sparse_attn_decode
     if hoisted:
         walk_half_blocks(target, True, monkeypatch)
     monkeypatch.setattr(SA, "ROW_QK_AHEAD", ahead)
@@ -1399,7 +1398,7 @@ def test_adversarial_ids_in_speculative_decode(target, rows_together, hoisted, a
     ids[1] = ids[1].roll(1, dims=0)  # the second KV head's rows pick other sets
     meta = batch.decode_meta()
     out = torch.full_like(batch.q, float("nan"))
-    sparse_attn_decode(batch.q, batch.kv_cache, ids, batch.block_table, meta["seq_lens"], meta["decode_query_len"],
+    SA.sparse_attn_decode(batch.q, batch.kv_cache, ids, batch.block_table, meta["seq_lens"], meta["decode_query_len"],
                        128 ** -0.5, out, batch.k_scale, batch.v_scale, splits=2, rows_together=rows_together)
     ref = batch.attn_decode(ids, impl=reference)
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
